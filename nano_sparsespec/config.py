@@ -1,0 +1,213 @@
+"""Configuration objects: what the model is, how to speculate, how to sample.
+
+Owns
+  * `ModelConfig`   — the decoder's shape, read from a Hugging Face `config.json` (Qwen3, or a Llama-family model,
+                      which is Qwen3 without the q/k RMSNorm). Unsupported features fail here, with a clear message.
+  * `SpecConfig`    — the speculation settings: drafting method, stride k, critical-token budget, batch policy,
+                      delayed verification (async) and the KV pool size (offload).
+  * `SamplingParams`— per-request sampling: temperature, top-k, top-p, seed, max new tokens, stop strings.
+
+Must not import torch models: this file is plain data and validation, readable before anything else.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}  # name -> has q/k RMSNorm
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool                       # Qwen3: RMSNorm on every query/key head; Llama: none
+    rope_scaling: dict | None = None    # None, or {"rope_type": "linear"|"llama3", ...}
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "Qwen3ForCausalLM"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = cfg.get("model_type")
+            arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(model_type)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+                             f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
+        for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
+            if cfg.get(key):
+                raise ValueError(f"unsupported config feature {key}={cfg[key]!r}: mixture-of-experts models are not supported")
+        sliding = cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ())
+        if sliding or (arch == "LlamaForCausalLM" and cfg.get("sliding_window")):
+            raise ValueError(f"unsupported config feature sliding_window={cfg.get('sliding_window')!r}: "
+                             "only full attention is supported")
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ValueError(f"unsupported config feature {key}=True: bias terms are not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        if rope_scaling is not None:  # transformers 5 folds rope_theta into rope_parameters/rope_scaling
+            rope_theta = rope_scaling.get("rope_theta", rope_theta)
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected one of {SUPPORTED_ROPE_TYPES}")
+            rope_scaling = None if rope_type == "default" else {**rope_scaling, "rope_type": rope_type}
+        params = cfg.get("rope_parameters")
+        if params:
+            rope_theta = params.get("rope_theta", rope_theta)
+            rope_type = params.get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected one of {SUPPORTED_ROPE_TYPES}")
+            if rope_type != "default":
+                rope_scaling = dict(params)
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=SUPPORTED_ARCHITECTURES[arch],
+            rope_scaling=rope_scaling,
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples. temperature == 0 means greedy (top_k / top_p are then ignored)."""
+    temperature: float = 0.0
+    top_k: int = 0            # 0: no top-k filter
+    top_p: float = 1.0        # 1.0: no nucleus filter
+    max_new_tokens: int = 256
+    seed: int | None = None   # None: drawn at random when the request is added
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.stop = tuple([self.stop] if isinstance(self.stop, str) else self.stop)
+        self.validate()
+
+    def validate(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full")
+BATCH_POLICIES = ("naive", "balanced")
+
+
+@dataclass
+class SpecConfig:
+    """Speculation settings shared by every request of an engine.
+
+    method       plain (no drafting: k = 0), pillar (PillarAttn critical tokens), streaming (sink + recent window),
+                 ngram (prompt lookup), full (dense drafts: the oracle that accepts everything when greedy)
+    stride       k, draft steps per verification
+    budget_ratio, min_budget   critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * context))
+    sink_tokens  sink positions kept by the streaming policy
+    batch_policy naive (lock-step: all requests verify on the same step) or balanced (verifications staggered)
+    async_verify delayed verification: a request that verifies at step t sits out step t+1
+    kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
+    block_size   tokens per KV block
+    prefill_chunk  prompt tokens per request per step (chunked prefill)
+    max_batch    requests running at once
+    """
+    method: str = "plain"
+    stride: int = 8
+    budget_ratio: float = 0.05
+    min_budget: int = 128
+    sink_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+    batch_policy: str = "balanced"
+    async_verify: bool = False
+    kv_blocks: int | None = None
+    block_size: int = 16
+    prefill_chunk: int = 512
+    max_batch: int = 64
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in DRAFT_METHODS:
+            raise ValueError(f"unknown method {self.method!r}: expected one of {DRAFT_METHODS}")
+        if not isinstance(self.stride, int) or self.stride < 1:
+            raise ValueError(f"stride (k) must be an integer >= 1, got {self.stride!r}")
+        if not (isinstance(self.budget_ratio, (int, float)) and 0.0 < self.budget_ratio <= 1.0):
+            raise ValueError(f"budget_ratio must be in (0, 1], got {self.budget_ratio!r}")
+        if not isinstance(self.min_budget, int) or self.min_budget < 1:
+            raise ValueError(f"min_budget must be an integer >= 1, got {self.min_budget!r}")
+        if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens < self.min_budget:
+            raise ValueError(f"sink_tokens must be in [0, min_budget), got {self.sink_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"unknown batch_policy {self.batch_policy!r}: expected one of {BATCH_POLICIES}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks must be >= 1, got {self.kv_blocks!r}")
+        if self.block_size < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
+            raise ValueError(f"block_size, prefill_chunk and max_batch must be >= 1, got "
+                             f"{self.block_size!r}, {self.prefill_chunk!r}, {self.max_batch!r}")
+
+    @property
+    def drafts_per_cycle(self) -> int:
+        """Model draft steps between two verifications (0 for plain; ngram drafts on the CPU, not with the model)."""
+        return 0 if self.method in ("plain", "ngram") else self.stride
+
+    def budget(self, context_len: int) -> int:
+        """Critical positions per (layer, KV head) for a request whose verified context has `context_len` tokens."""
+        return max(self.min_budget, math.ceil(self.budget_ratio * context_len))

@@ -1,0 +1,253 @@
+"""The Qwen3 decoder and its loader.
+
+Owns the network — token embedding, RMSNorm, rotary position embedding (RoPE), grouped-query attention with optional
+q/k RMSNorm (Qwen3 has it, Llama-family models do not), the SwiGLU MLP and the tied or untied LM head — and loading
+it from a Hugging Face directory of safetensors (one file, or shards listed in `model.safetensors.index.json`).
+
+Must not know about drafting, verification or scheduling: every attention goes through one call,
+`pillar_attn.attend(layer_idx, q, k, v, ctx)`, and `ctx` (built by the engine) decides what each token attends to.
+With `ctx=None` that call is plain causal attention over the tokens given: `CausalLM.full_logits` uses it as the
+cache-free reference path for tests and tutorials.
+
+All tokens of a step arrive flattened: `input_ids [T]`, `positions [T]`, whatever requests they belong to.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from . import pillar_attn
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """inv_freq [head_dim/2] for RoPE, with the config's rope_scaling (none, linear or llama3) applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    inv_freq = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, interpolated, inv_freq).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (the rotate-half convention of HF Llama/Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, rope_inverse_frequencies(cfg))      # [max_pos, head_dim/2]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, n_heads, head_dim]; positions: [T]
+        cos = self.cos[positions].unsqueeze(1)                               # [T, 1, head_dim/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        # q, k and v projections fused into one matrix: one GEMM instead of three (rows: q | k | v).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, positions, rope: RotaryEmbedding, ctx) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.n_heads, self.head_dim)                           # [T, n_heads, head_dim]
+        k = k.view(T, self.n_kv, self.head_dim)                              # [T, n_kv, head_dim]
+        v = v.view(T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions), rope(k, positions)
+        out = pillar_attn.attend(self.layer_idx, q, k, v, ctx)               # [T, n_heads, head_dim]
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows: gate | up
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns hidden states; `logits` maps the rows you need to the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx=None) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab] in float32 (sampling and verification want full precision)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.inference_mode()
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Reference path: logits [T, vocab] of one sequence with plain causal attention and no KV cache."""
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return self.logits(self.forward(input_ids, positions, ctx=None))
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters one forward step reads (the rotary tables are buffers, not counted)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading from a Hugging Face directory
+
+def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensor names concatenated (along dim 0) to build it."""
+    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        sources["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        attn = hf + "self_attn."
+        sources[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
+        sources[ours + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+        if cfg.qk_norm:
+            sources[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+            sources[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        sources[ours + "mlp.gate_up_proj.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        sources[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sources[ours + f"{norm}.weight"] = [hf + f"{norm}.weight"]
+    return sources
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {str(model_dir)!r}")
+    where = {}
+    for file in files:
+        with _open_safetensors(file) as f:
+            where.update({name: file for name in f.keys()})
+    return where
+
+
+def _open_safetensors(file: Path):
+    if not file.is_file():
+        raise FileNotFoundError(f"safetensors file {str(file)!r} is missing (listed in the index)")
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read safetensors file {str(file)!r} (truncated or corrupt?): {e}") from e
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build a CausalLM from a HF directory (config.json + safetensors) and load its weights."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    cfg = ModelConfig.from_dir(model_dir)
+    where = _weight_files(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    state = {}
+    handles = {}
+    try:
+        for name, hf_names in _hf_sources(cfg).items():
+            missing = [n for n in hf_names if n not in where]
+            if missing:
+                raise KeyError(f"weight {missing[0]!r} not found in {str(model_dir)!r}")
+            parts = []
+            for hf_name in hf_names:
+                file = where[hf_name]
+                if file not in handles:
+                    handles[file] = _open_safetensors(file).__enter__()
+                try:
+                    parts.append(handles[file].get_tensor(hf_name).to(dtype))
+                except (SafetensorError, OSError, RuntimeError) as e:
+                    raise ValueError(f"cannot read tensor {hf_name!r} from {str(file)!r} (truncated or corrupt?): {e}") from e
+            state[name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    model = model.to_empty(device=device)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in state}
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"weight {name!r} in {str(model_dir)!r} has shape {tuple(tensor.shape)}, "
+                             f"config says {expected[name]}")
+    model.load_state_dict(state, strict=True)
+    model.rope = RotaryEmbedding(cfg).to(device)                       # buffers are not in the checkpoint
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,157 @@
+"""Attention in plain torch: dense over a request's whole KV, sparse over a gathered set, and critical-token selection.
+
+Owns
+  * `attend(layer, q, k, v, ctx)`: the one attention call the model makes. It writes this step's K/V into the paged
+    pool, then runs
+      - dense attention for the requests whose tokens need the whole context (prefill chunks, verification, plain
+        decoding, the `full` drafter); it can also return, per (layer, KV head), the attention probabilities averaged
+        over chosen query rows and over the query heads of the GQA group: the PillarAttn scores over positions;
+      - sparse attention for draft tokens: each draft query attends only to its gathered slots (the critical positions
+        of its layer and KV head, plus every position written since the last verification).
+    Both are batched over requests and heads: no Python loop over requests x layers x heads.
+  * the critical-token selection policies: `select_pillar` (top-B of the verification scores; B per request from
+    `SpecConfig.budget`), `select_streaming` (StreamingLLM: sinks + most recent), used as the baseline.
+  * `compile_kernels()`: the optional torch.compile'd variant of the two attention kernels (same math).
+
+Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DenseBatch:
+    """Requests that attend densely this step, padded to Qmax query tokens and Lmax context positions."""
+    q_index: torch.Tensor        # [Bd, Qmax]        row of each query token in the step's flat token list
+    q_valid: torch.Tensor        # [Bd, Qmax]  bool  real query (False: padding)
+    kv_slots: torch.Tensor       # [Bd, Lmax]        pool slot of each context position (padding: any valid slot)
+    mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
+    score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
+    scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by attend() when score_weight is set
+
+
+@dataclass
+class SparseBatch:
+    """Draft tokens that attend to a gathered set of positions: critical positions + the recent window."""
+    q_index: torch.Tensor        # [Bs]              row of each draft token in the step's flat token list
+    kv_index: torch.Tensor       # [L, Bs, n_kv, S]  flat index slot * n_kv + kv_head into the pool viewed [slots*n_kv, D]
+    valid: torch.Tensor          # [Bs, S] bool      real entry (False: padding)
+
+
+@dataclass
+class AttentionContext:
+    k_cache: torch.Tensor        # [L, slots, n_kv, head_dim]
+    v_cache: torch.Tensor        # [L, slots, n_kv, head_dim]
+    slot_mapping: torch.Tensor   # [T]   where this step's K/V are written
+    dense: DenseBatch | None = None
+    sparse: SparseBatch | None = None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext | None) -> torch.Tensor:
+    """q: [T, n_heads, D]; k, v: [T, n_kv, D] -> [T, n_heads, D]."""
+    if ctx is None:  # reference path: one sequence, causal, no cache
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+                                             v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True)
+        return out.transpose(0, 1)
+    ctx.k_cache[layer][ctx.slot_mapping] = k
+    ctx.v_cache[layer][ctx.slot_mapping] = v
+    out = torch.empty_like(q)
+    if ctx.dense is not None:
+        d = ctx.dense
+        dense_out, scores = _kernels["dense"](q[d.q_index], ctx.k_cache[layer][d.kv_slots],
+                                              ctx.v_cache[layer][d.kv_slots], d.mask, d.score_weight)
+        out[d.q_index[d.q_valid]] = dense_out[d.q_valid]
+        if scores is not None:
+            d.scores[layer] = scores
+    if ctx.sparse is not None:
+        s = ctx.sparse
+        head_dim = q.shape[-1]
+        keys = ctx.k_cache[layer].view(-1, head_dim)[s.kv_index[layer]]     # [Bs, n_kv, S, D]
+        values = ctx.v_cache[layer].view(-1, head_dim)[s.kv_index[layer]]
+        out[s.q_index] = _kernels["sparse"](q[s.q_index], keys, values, s.valid)
+    return out
+
+
+def dense_attention(q, k, v, mask, score_weight=None):
+    """Padded dense attention with GQA, optionally returning PillarAttn scores.
+
+    q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool; score_weight: [B, Q] or None
+    -> out [B, Q, n_heads, D], scores [B, n_kv, L] (sum over rows of weight x probability, averaged over the group)
+    """
+    B, Q, H, D = q.shape
+    n_kv = k.shape[2]
+    G = H // n_kv
+    q = q.view(B, Q, n_kv, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, G * Q, D)   # rows ordered (head, query)
+    logits = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * D ** -0.5             # [B, n_kv, G*Q, L]
+    logits = logits.view(B, n_kv, G, Q, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = logits.softmax(dim=-1)                                                     # [B, n_kv, G, Q, L]
+    out = torch.matmul(probs.view(B, n_kv, G * Q, -1).to(v.dtype), v.transpose(1, 2))  # [B, n_kv, G*Q, D]
+    out = out.view(B, n_kv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+    scores = None
+    if score_weight is not None:
+        scores = torch.einsum("bhgql,bq->bhl", probs, score_weight.float()) / G           # [B, n_kv, L]
+    return out, scores
+
+
+def sparse_attention(q, k, v, valid):
+    """Each query attends to its own gathered positions.
+
+    q: [B, n_heads, D]; k, v: [B, n_kv, S, D] (gathered per KV head); valid: [B, S] bool -> [B, n_heads, D]
+    """
+    B, H, D = q.shape
+    n_kv = k.shape[1]
+    q = q.view(B, n_kv, H // n_kv, D)                                                  # [B, n_kv, G, D]
+    logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [B, n_kv, G, S]
+    probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).reshape(B, H, D)
+
+
+_kernels = {"dense": dense_attention, "sparse": sparse_attention}
+
+
+def compile_kernels() -> None:
+    """Swap in torch.compile'd versions of the two kernels (dynamic shapes; same results within float tolerance)."""
+    _kernels["dense"] = torch.compile(dense_attention, dynamic=True)
+    _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
+
+
+def use_eager_kernels() -> None:
+    _kernels["dense"], _kernels["sparse"] = dense_attention, sparse_attention
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Critical-token selection. A selection is a LongTensor of positions [L, n_kv, n] for one request, n <= its budget;
+# every (layer, KV head) selects the same number of positions, so selections batch without ragged padding per head.
+
+def select_pillar(scores: torch.Tensor, context_len: torch.Tensor, budget: torch.Tensor) -> list[torch.Tensor]:
+    """PillarAttn: per (layer, KV head), the top-B positions of the verification scores.
+
+    scores: [L, B, n_kv, Lmax] (averaged attention probabilities); context_len: [B] positions that stay in the cache
+    (later columns are rejected drafts or padding); budget: [B] -> per request positions [L, n_kv, min(B_b, len_b)].
+    Ties break towards the lower position (stable sort), so the selection is deterministic.
+    """
+    L, B, n_kv, Lmax = scores.shape
+    columns = torch.arange(Lmax, device=scores.device)
+    in_context = columns[None, :] < context_len[:, None]                                # [B, Lmax]
+    masked = scores.masked_fill(~in_context[None, :, None, :], float("-inf"))
+    k = int(min(int(budget.max()), Lmax))
+    order = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]          # [L, B, n_kv, k]
+    counts = torch.minimum(budget, context_len).tolist()
+    return [order[:, b, :, :counts[b]] for b in range(B)]
+
+
+def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers: int, num_kv_heads: int,
+                     device=None) -> torch.Tensor:
+    """StreamingLLM: the first `sink_tokens` positions plus the most recent ones, `budget` in all -> [L, n_kv, n]."""
+    if context_len <= budget:
+        positions = torch.arange(context_len, device=device)
+    else:
+        recent = budget - sink_tokens
+        positions = torch.cat([torch.arange(sink_tokens, device=device),
+                               torch.arange(context_len - recent, context_len, device=device)])
+    return positions.expand(num_layers, num_kv_heads, -1)
