@@ -191,8 +191,8 @@ class SpecConfig:
             raise ValueError(f"budget_ratio must be in (0, 1], got {self.budget_ratio!r}")
         if not isinstance(self.min_budget, int) or self.min_budget < 1:
             raise ValueError(f"min_budget must be an integer >= 1, got {self.min_budget!r}")
-        if not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens < self.min_budget:
-            raise ValueError(f"sink_tokens must be in [0, min_budget), got {self.sink_tokens!r}")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         if self.batch_policy not in BATCH_POLICIES:

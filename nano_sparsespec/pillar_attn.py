@@ -151,7 +151,8 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
     if context_len <= budget:
         positions = torch.arange(context_len, device=device)
     else:
-        recent = budget - sink_tokens
-        positions = torch.cat([torch.arange(sink_tokens, device=device),
+        sinks = min(sink_tokens, budget)
+        recent = budget - sinks
+        positions = torch.cat([torch.arange(sinks, device=device),
                                torch.arange(context_len - recent, context_len, device=device)])
     return positions.expand(num_layers, num_kv_heads, -1)

@@ -1,0 +1,229 @@
+"""Turns one step's plan into tensors, runs the model once, and samples or verifies on the device.
+
+Owns
+  * building the step's flat inputs (`input_ids [T]`, `positions [T]`, `slot_mapping [T]`) and the
+    `AttentionContext` (which requests attend densely, which draft tokens attend sparsely and to which slots);
+  * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling), and the
+    critical positions each request's drafts attend to;
+  * after the forward: sampling draft tokens, and verification (`verifier.verify`) for verifying requests and for a
+    request's last prefill chunk (a verification with no drafts).
+Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
+engine can launch step t before it looks at step t-1 (delayed verification).
+
+Must not decide who runs (the scheduler does) or re-implement attention or sampling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import pillar_attn, verifier
+from .config import SpecConfig
+from .kv_cache import KVCache
+from .model import CausalLM
+from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
+from .scheduler import Sequence, Work
+
+
+@dataclass
+class StepResult:
+    """Device-side results of one step, plus the host-side plan they belong to."""
+    works: list[Work]
+    verify_works: list[Work]                 # verifications and last prefill chunks, in result order
+    num_drafts: list[int]                    # drafts checked by each of them
+    num_accepted: torch.Tensor               # [Bv]
+    next_token: torch.Tensor                 # [Bv] the recovered / bonus (or, after prefill, first) token
+    is_bonus: torch.Tensor                   # [Bv]
+    draft_tokens: torch.Tensor               # [Bv, Mmax] drafts checked by each verification
+    scores: torch.Tensor | None              # [L, Bv, n_kv, Lmax] PillarAttn scores of those requests, or None
+
+    def fetch(self) -> dict:
+        """Copy what the host bookkeeping needs (the step's one synchronisation)."""
+        return {"num_accepted": self.num_accepted.tolist(), "next_token": self.next_token.tolist(),
+                "is_bonus": self.is_bonus.tolist(), "draft_tokens": self.draft_tokens.tolist()}
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig):
+        self.model, self.cache, self.spec = model, cache, spec
+        cfg = model.config
+        self.device = cache.device
+        self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
+        rows, k = spec.max_batch, max(spec.stride, 1)
+        self.draft_tokens = torch.zeros(rows, k, dtype=torch.long, device=self.device)   # [rows, k]
+        self.draft_probs: torch.Tensor | None = None                                      # [rows, k, V] when sampling
+        self.selection = torch.zeros(rows, self.num_layers, self.n_kv, 0, dtype=torch.long, device=self.device)
+        self.selection_len = [0] * rows                                                   # valid width per row
+
+    # --- critical positions ------------------------------------------------------------------------------------------
+    def set_selection(self, seq: Sequence, positions: torch.Tensor) -> None:
+        """Store the positions [L, n_kv, n] that `seq`'s next drafts attend to (besides the recent window)."""
+        n = positions.shape[-1]
+        if n > self.selection.shape[-1]:
+            grown = torch.zeros(*self.selection.shape[:-1], max(n, 2 * self.selection.shape[-1]),
+                                dtype=torch.long, device=self.device)
+            grown[..., :self.selection.shape[-1]] = self.selection
+            self.selection = grown
+        self.selection[seq.row, :, :, :n] = positions
+        self.selection_len[seq.row] = n
+
+    # --- building the step -------------------------------------------------------------------------------------------
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Padded block tables [B, max_blocks] (on the device) of these requests."""
+        tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).to(self.device)
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pool slots of positions [B, ...] of the requests whose padded block tables are `tables` [B, max_blocks]."""
+        bs = self.cache.block_size
+        flat = positions.reshape(positions.shape[0], -1)
+        block = torch.gather(tables, 1, (flat // bs).clamp(max=tables.shape[1] - 1))
+        return (block * bs + flat % bs).view(positions.shape)
+
+    def _dense_batch(self, dense: list[Work], row_of: list[int], with_scores: list[bool]) -> DenseBatch:
+        starts = torch.tensor([w.start for w in dense], device=self.device)             # [Bd]
+        q_lens = torch.tensor([w.num_tokens for w in dense], device=self.device)        # [Bd]
+        q_max, ctx_max = int(max(w.num_tokens for w in dense)), int(max(w.start + w.num_tokens for w in dense))
+        qi = torch.arange(q_max, device=self.device)
+        q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
+        q_index = (torch.tensor(row_of, device=self.device)[:, None] + qi).where(q_valid, 0)
+        kv_pos = torch.arange(ctx_max, device=self.device).expand(len(dense), -1)       # [Bd, Lmax]
+        q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
+        mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
+        mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
+        kv_slots = self._slots(self._block_tables([w.seq for w in dense]), kv_pos.contiguous())
+        batch = DenseBatch(q_index, q_valid, kv_slots, mask)
+        if any(with_scores):
+            # Verification rows all count; after a last prefill chunk only its last row does.
+            last = (q_lens - 1)[:, None]
+            is_verify = torch.tensor([w.kind == "verify" for w in dense], device=self.device)[:, None]
+            rows = q_valid & (is_verify | (qi[None, :] == last))
+            rows &= torch.tensor(with_scores, device=self.device)[:, None]
+            batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
+            batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, ctx_max, device=self.device)
+        return batch
+
+    def _sparse_batch(self, drafts: list[Work], row_of: list[int]) -> SparseBatch:
+        seqs = [w.seq for w in drafts]
+        rows = torch.tensor([s.row for s in seqs], device=self.device)
+        n_sel = torch.tensor([self.selection_len[s.row] for s in seqs], device=self.device)             # [Bs]
+        n_win = torch.tensor([w.start - w.seq.num_verified + 1 for w in drafts], device=self.device)    # [Bs]
+        sel_max, win_max = max(self.selection_len[s.row] for s in seqs), int(n_win.max())
+        tables = self._block_tables(seqs)
+        sel_pos = self.selection[rows, :, :, :sel_max]                # [Bs, L, n_kv, Nsel]
+        win_pos = torch.tensor([s.num_verified for s in seqs], device=self.device)[:, None] \
+            + torch.arange(win_max, device=self.device)                                     # [Bs, W]
+        sel_slots = self._slots(tables, sel_pos)                                            # [Bs, L, n_kv, Nsel]
+        win_slots = self._slots(tables, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
+        slots = torch.cat([sel_slots, win_slots], dim=-1)                                   # [Bs, L, n_kv, S]
+        heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
+        kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()             # [L, Bs, n_kv, S]
+        valid = torch.cat([torch.arange(sel_max, device=self.device)[None] < n_sel[:, None],
+                           torch.arange(win_max, device=self.device)[None] < n_win[:, None]], dim=1)
+        return SparseBatch(torch.tensor(row_of, device=self.device), kv_index, valid)
+
+    # --- one step ----------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, works: list[Work]) -> StepResult:
+        ids, positions, slots = [], [], []
+        feed_at, feed_from = [], []                # flat rows whose input is a draft token still on the device
+        first_row = []
+        for w in works:
+            seq = w.seq
+            first_row.append(len(ids))
+            pos = list(range(w.start, w.start + w.num_tokens))
+            if w.kind == "prefill":
+                inputs = seq.tokens[w.start:w.start + w.num_tokens]
+            elif self.spec.method == "ngram":
+                inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
+            else:  # the pending token, then this cycle's model drafts (fed from the device buffer)
+                inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
+                first_draft = seq.num_verified + 1
+                for j, p in enumerate(pos):
+                    if p >= first_draft:
+                        feed_at.append(len(ids) + j)
+                        feed_from.append((seq.row, p - first_draft))
+            table = self.cache.pool.tables[seq.seq_id]
+            bs = self.cache.block_size
+            ids += inputs
+            positions += pos
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
+        if feed_at:
+            src = torch.tensor(feed_from, dtype=torch.long).to(dev)
+            input_ids[torch.tensor(feed_at).to(dev)] = self.draft_tokens[src[:, 0], src[:, 1]]
+
+        dense = [(w, r) for w, r in zip(works, first_row)
+                 if w.kind != "draft" or self.spec.method == "full"]
+        sparse = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft" and self.spec.method != "full"]
+        wants_scores = self.spec.method == "pillar"
+        ctx = AttentionContext(self.cache.k, self.cache.v, torch.tensor(slots, dtype=torch.long).to(dev))
+        if dense:
+            ctx.dense = self._dense_batch([w for w, _ in dense], [r for _, r in dense],
+                                          [wants_scores and (w.kind == "verify" or w.final_prefill)
+                                           for w, _ in dense])
+        if sparse:
+            ctx.sparse = self._sparse_batch([w for w, _ in sparse], [r for _, r in sparse])
+        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long).to(dev), ctx)   # [T, hidden]
+
+        drafts = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft"]
+        checks = [(w, r) for w, r in zip(works, first_row) if w.kind == "verify" or w.final_prefill]
+        if drafts:
+            self._sample_drafts(hidden, drafts)
+        result = self._verify(hidden, checks)
+        if wants_scores and checks:
+            dense_index = {id(w): i for i, (w, _) in enumerate(dense)}
+            result.scores = ctx.dense.scores[:, [dense_index[id(w)] for w, _ in checks]]
+        result.works = works
+        return result
+
+    def _sample_drafts(self, hidden: torch.Tensor, drafts: list[tuple[Work, int]]) -> None:
+        dev = self.device
+        seqs = [w.seq for w, _ in drafts]
+        logits = self.model.logits(hidden[torch.tensor([r for _, r in drafts], device=dev)])      # [Bs, V]
+        st = verifier.SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], dev)
+        probs = verifier.probs_from_logits(logits, st)
+        decided = torch.tensor([w.start + 1 for w, _ in drafts], device=dev)   # position each draft will occupy
+        tokens = verifier.sample(probs, st, decided, verifier.SALT_DRAFT)
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        index = torch.tensor([w.start - w.seq.num_verified for w, _ in drafts], device=dev)
+        self.draft_tokens[rows, index] = tokens
+        if not all(s.params.greedy for s in seqs):
+            if self.draft_probs is None:
+                self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=dev)
+            self.draft_probs[rows, index] = probs
+
+    def _verify(self, hidden: torch.Tensor, checks: list[tuple[Work, int]]) -> StepResult:
+        dev = self.device
+        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]
+        if not checks:
+            empty = torch.zeros(0, dtype=torch.long, device=dev)
+            return StepResult([], [], [], empty, empty, empty.bool(), empty[:, None], None)
+        m_max = max(num_drafts)
+        seqs = [w.seq for w, _ in checks]
+        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row.
+        rows = [[r + j for j in range(m + 1)] if w.kind == "verify" else [r + w.num_tokens - 1]
+                for (w, r), m in zip(checks, num_drafts)]
+        padded = torch.tensor([rs + [rs[-1]] * (m_max + 1 - len(rs)) for rs in rows], device=dev)   # [Bv, M+1]
+        st = verifier.SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], dev)
+        logits = self.model.logits(hidden[padded.flatten()])                                       # [Bv*(M+1), V]
+        st_rows = st.rows(torch.arange(len(checks), device=dev).repeat_interleave(m_max + 1))
+        target = verifier.probs_from_logits(logits, st_rows).view(len(checks), m_max + 1, -1)     # [Bv, M+1, V]
+        draft_probs = None
+        if self.spec.method == "ngram":
+            draft_tokens = torch.tensor([s.ngram_drafts[:m] + [0] * (m_max - m) for s, m in zip(seqs, num_drafts)],
+                                        dtype=torch.long).to(dev)
+        else:
+            buf_rows = torch.tensor([s.row for s in seqs], device=dev)
+            draft_tokens = self.draft_tokens[buf_rows, :m_max].clone()                              # [Bv, M]
+            if self.draft_probs is not None and not all(s.params.greedy for s in seqs):
+                draft_probs = self.draft_probs[buf_rows, :m_max]
+        first_position = torch.tensor([w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
+                                       for w, _ in checks], device=dev)
+        out = verifier.verify(target, draft_tokens, draft_probs, torch.tensor(num_drafts, device=dev), st,
+                              first_position)
+        return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
+                          draft_tokens, None)

@@ -1,0 +1,246 @@
+"""Request state and the per-step plan: who prefills, who drafts, who verifies, who waits, who is offloaded.
+
+Owns
+  * `Sequence`: one request's tokens and state — waiting, prefill, running (drafting / verifying / stalled by the
+    phase clock), offloaded, finished — plus its acceptance statistics;
+  * `Scheduler.schedule(step)`: the step's `Work` list under the batch policy, admission of waiting requests, and the
+    offload/restore policy of the bounded KV pool.
+
+The phase clock. Every running request owns a *verify slot* s in [0, P), P = drafts_per_cycle + 1 (+1 more with
+delayed verification, for the stall step). At global step t it verifies when t % P == s, sits out (stalls) when
+delayed verification is on and t % P == s + 1, and drafts otherwise. `naive` gives every request slot 0 (lock-step:
+all draft together, all verify together); `balanced` gives a newly prefilled request the least-loaded slot, so each
+step holds about B / P verifications. A request's first cycle after prefill may therefore have fewer than k drafts.
+Plain decoding is the k = 0 case (P = 1: verify every step, with no drafts); n-gram drafting proposes its drafts on
+the CPU, so it also verifies every step.
+
+Offload policy (when the next step's KV does not fit the device pool): the most recently admitted request (decoding
+or still prefilling) that has no result in flight moves wholly to the host pool, keeping its phase; offloaded requests come back first-out
+first-in as soon as their blocks plus one step of headroom fit, and no waiting request is admitted while one is out.
+
+Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step with its decisions.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .config import SamplingParams, SpecConfig
+from .kv_cache import KVCache
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    OFFLOADED = "offloaded"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)   # prompt + committed output; the last one is not yet cached
+    num_prefilled: int = 0                            # prompt tokens whose KV is cached
+    verify_slot: int = 0
+    num_drafts: int = 0                               # model drafts made since the last verification
+    ngram_drafts: list[int] = field(default_factory=list)
+    selection: torch.Tensor | None = None             # [L, n_kv, n] critical positions (PillarAttn / streaming)
+    row: int = -1                                     # row in the engine's per-request device buffers
+    admitted_at: int = 0
+    awaiting_result: bool = False                     # a verification / last prefill chunk whose result is not in yet
+    finish_reason: str | None = None
+    error: str | None = None
+    # statistics of speculation
+    accepted_counts: list[int] = field(default_factory=list)   # accepted drafts per verification
+    drafts_per_verify: list[int] = field(default_factory=list) # drafts offered per verification
+    commit_log: list[tuple[int, int]] = field(default_factory=list)  # (accepted drafts, 1 corrected/bonus) per commit
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_verified(self) -> int:
+        """Positions whose KV is exact (computed with full attention): all tokens but the pending last one."""
+        return len(self.tokens) - 1
+
+
+@dataclass
+class Work:
+    """One request's share of a step."""
+    seq: Sequence
+    kind: str               # "prefill" | "draft" | "verify"
+    start: int              # position of the first input token
+    num_tokens: int         # input tokens this step (prefill chunk, 1 for a draft, drafts + 1 for a verification)
+
+    @property
+    def final_prefill(self) -> bool:
+        return self.kind == "prefill" and self.start + self.num_tokens == self.seq.num_prompt
+
+
+class Scheduler:
+    def __init__(self, spec: SpecConfig, cache: KVCache, max_len: int):
+        self.spec, self.cache, self.max_len = spec, cache, max_len
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []      # prefilling and decoding, in admission order
+        self.offloaded: list[Sequence] = []    # in offload order
+        self.free_rows = list(range(spec.max_batch))
+        self.period = spec.drafts_per_cycle + 1 + (1 if spec.async_verify else 0)
+        self._admissions = itertools.count()
+        self.offload_events = 0
+        self.restore_events = 0
+
+    # --- requests ----------------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        worst_case = min(self.max_len, seq.num_prompt + seq.params.max_new_tokens + self.spec.stride + 1)
+        need = -(-worst_case // self.cache.block_size)
+        if need > self.cache.pool.num_blocks:
+            raise ValueError(f"KV pool too small: request {seq.seq_id} may need {need} blocks of "
+                             f"{self.cache.block_size} tokens, the pool has {self.cache.pool.num_blocks} "
+                             f"(raise kv_blocks)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.offloaded)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.cache.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.free_rows.append(seq.row)
+
+    # --- the phase clock ---------------------------------------------------------------------------------------------
+    def assign_slot(self, seq: Sequence) -> None:
+        if self.spec.batch_policy == "naive" or self.period == 1:
+            seq.verify_slot = 0
+            return
+        live = [s for s in self.running + self.offloaded if s.status != Status.PREFILL and s is not seq]
+        load = [0] * self.period
+        for s in live:
+            load[s.verify_slot] += 1
+        seq.verify_slot = min(range(self.period), key=lambda s: (load[s], s))
+
+    def action(self, seq: Sequence, step: int) -> str:
+        """What a prefilled request does at global step `step`: 'verify', 'draft' or 'stall'.
+
+        With delayed verification the step after a verification finds its result still in flight: that is the stall.
+        """
+        if seq.awaiting_result:
+            return "stall"
+        return "verify" if (step - seq.verify_slot) % self.period == 0 else "draft"
+
+    def draft_limit(self, seq: Sequence) -> int:
+        """Drafts worth making this cycle: at most k, and no more than the tokens (and context) left to write."""
+        remaining = seq.params.max_new_tokens - len(seq.output_ids)
+        room = self.max_len - len(seq.tokens) - 1
+        return max(0, min(self.spec.stride, remaining - 1, room))
+
+    # --- one step ----------------------------------------------------------------------------------------------------
+    def schedule(self, step: int) -> list[Work]:
+        self._restore_offloaded()
+        self._admit()
+        works = self._plan(step)
+        while not self._fits(works):
+            victim = self._pick_victim(works)
+            if victim is None:
+                raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold the step even after "
+                                   f"offloading every other request")
+            if self.cache.length(victim.seq_id) > 0:
+                self._offload(victim)
+            works = [w for w in works if w.seq is not victim]   # holding no KV yet, it simply waits a step
+        for w in works:  # bookkeeping that does not depend on this step's results
+            new_tokens = w.start + w.num_tokens - self.cache.length(w.seq.seq_id)
+            if new_tokens > 0:
+                self.cache.append(w.seq.seq_id, new_tokens)
+            if w.kind == "prefill":
+                w.seq.num_prefilled += w.num_tokens
+            elif w.kind == "draft":
+                w.seq.num_drafts += 1
+            w.seq.awaiting_result = w.kind == "verify" or w.final_prefill
+        return works
+
+    def _plan(self, step: int) -> list[Work]:
+        works, prefill_budget = [], self.spec.prefill_chunk
+        for seq in self.running:
+            if seq.status == Status.PREFILL:
+                if prefill_budget == 0 or seq.num_prefilled == seq.num_prompt:
+                    continue
+                n = min(prefill_budget, seq.num_prompt - seq.num_prefilled)
+                prefill_budget -= n
+                works.append(Work(seq, "prefill", seq.num_prefilled, n))
+                continue
+            action = self.action(seq, step)
+            if action == "draft" and seq.num_drafts >= self.draft_limit(seq):
+                action = "verify"            # near max_new_tokens / the context end: no use drafting further
+            if action == "verify":
+                n_drafts = len(seq.ngram_drafts) if self.spec.method == "ngram" else seq.num_drafts
+                works.append(Work(seq, "verify", seq.num_verified, n_drafts + 1))
+            elif action == "draft":
+                works.append(Work(seq, "draft", seq.num_verified + seq.num_drafts, 1))
+        return works
+
+    def _fits(self, works: list[Work]) -> bool:
+        need = sum(self.cache.blocks_needed(w.seq.seq_id,
+                                            max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)))
+                   for w in works)
+        return need <= self.cache.free_blocks()
+
+    def _pick_victim(self, works: list[Work]) -> Sequence | None:
+        """The most recently admitted request with no result in flight that has work this step (never the last one)."""
+        if len(self.running) <= 1 or len(works) <= 1:
+            return None
+        scheduled = {id(w.seq) for w in works}
+        candidates = [s for s in self.running if not s.awaiting_result and id(s) in scheduled]
+        return max(candidates, key=lambda s: s.admitted_at, default=None)
+
+    def _offload(self, seq: Sequence) -> None:
+        self.cache.offload(seq.seq_id)
+        self.running.remove(seq)
+        self.offloaded.append(seq)
+        seq.status = Status.OFFLOADED
+        self.offload_events += 1
+
+    def _restore_offloaded(self) -> None:
+        while self.offloaded:
+            seq = self.offloaded[0]
+            length = self.cache.host_pool.lengths[seq.seq_id]
+            need = self.cache.blocks_needed(seq.seq_id, length + self.spec.stride + 1)
+            if need > self.cache.free_blocks() - self._headroom():
+                return
+            self.cache.restore(seq.seq_id)
+            self.offloaded.pop(0)
+            seq.status = Status.PREFILL if seq.num_prefilled < seq.num_prompt else Status.RUNNING
+            self.running.append(seq)
+            self.restore_events += 1
+
+    def _headroom(self) -> int:
+        """Blocks kept free for one step of growth of the running requests."""
+        per_request = -(-(self.spec.stride + 1) // self.cache.block_size) + 1
+        return per_request * sum(1 for s in self.running if s.status == Status.RUNNING)
+
+    def _admit(self) -> None:
+        while self.waiting and not self.offloaded and self.free_rows:
+            seq = self.waiting[0]
+            first_chunk = min(seq.num_prompt, self.spec.prefill_chunk)
+            room = self.cache.free_blocks() - self._headroom()
+            if self.running and self.cache.blocks_needed(seq.seq_id, first_chunk) > room:
+                return                       # wait for running requests to finish or be offloaded
+            self.waiting.pop(0)
+            seq.status, seq.row, seq.admitted_at = Status.PREFILL, self.free_rows.pop(0), next(self._admissions)
+            self.running.append(seq)

@@ -1,0 +1,271 @@
+"""Sampling and verification: from logits to the tokens a request emits.
+
+Owns
+  * `uniform(seeds, positions, salt)` — counter-based randomness. A request's random numbers depend only on its seed,
+    the sequence position of the token being decided and the purpose (a salt), never on the batch it shares or on a
+    global generator; so results are reproducible and independent of scheduling.
+  * `SamplingTensors`   — the per-row sampling parameters of a batch as tensors (temperature, top-k, top-p, seed).
+  * `probs_from_logits` — temperature, then top-k, then top-p (nucleus), renormalised; greedy rows become one-hot.
+  * `sample`            — greedy argmax or inverse-CDF sampling with one uniform per row.
+  * `verify`            — checks a request's k drafts against the target distributions of one verification step:
+    greedy prefix match (`verify_greedy`) or lossless rejection sampling (`verify_rejection`). Vocabulary of vLLM's
+    rejection sampler: drafts are *accepted*; at the first rejection a *recovered* token is sampled from the
+    residual max(0, p - q); if every draft is accepted a *bonus* token is sampled from the target's next row.
+
+Must not touch the KV cache or the model. Everything is batched and device-agnostic (CPU or CUDA) with no host syncs
+(.item(), .tolist(), data-dependent Python branches) inside the functions: only shapes and host-side flags decide
+Python control flow.
+
+Randomness and why reusing (seed, position, salt) is sound. Each purpose has its own salt:
+  SALT_TARGET    sampling the token at a position from the target (plain decode, first token after prefill, bonus)
+  SALT_DRAFT     sampling a draft token at a position
+  SALT_ACCEPT    the accept test of the draft at a position
+  SALT_RESIDUAL  sampling the recovered token at a position from the residual after a rejection
+Every uniform is *consumed* at most once per position, i.e. influences emitted output at most once:
+  * a position's accept test counts at most once: verification stops at the first rejection (tests computed beyond
+    it are ignored) and then decides that very position (with SALT_RESIDUAL), so it is never drafted or tested again;
+  * the target / residual uniform decides a position, which is then final;
+  * a position may be drafted again in a later cycle (SALT_DRAFT reused) only when its earlier draft lay behind a
+    rejection and was discarded unseen; the event "rejected earlier" depends on other uniforms only, so the reused
+    draft uniform is still a fresh, independent uniform given everything emitted so far.
+Different salts give independent streams, so e.g. the draft x ~ q and its accept test u are independent, as the
+rejection-sampling proof requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+
+SALT_TARGET = 0
+SALT_DRAFT = 1
+SALT_ACCEPT = 2
+SALT_RESIDUAL = 3
+
+_M32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# counter-based randomness
+
+def _lowbias32(x):
+    """Chris Wellons' lowbias32 integer mixer, a bijection on [0, 2**32); works on Python ints and int64 tensors.
+    An int64 product of two 32-bit values may wrap past 2**63 (two's complement on every PyTorch backend); the mask
+    keeps its low 32 bits, which wrapping does not change."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _salt_state(salt: int) -> int:
+    """The hash's start state for one purpose (a Python int: costs no kernel)."""
+    return _lowbias32((salt * 0x9E3779B9 + 0x632BE5AB) & _M32)
+
+
+def _uniform_from_state(state, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """state: int or Long tensor broadcastable with seeds/positions (a per-row salt) -> Float uniforms in (0, 1)."""
+    h = _lowbias32(state ^ (seeds & _M32))                            # low 32 bits of the seed
+    h = _lowbias32(h ^ ((seeds >> 32) & _M32))                        # high 32 bits of the seed
+    h = _lowbias32(h ^ (positions & _M32))                            # in [0, 2**32)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))               # 23 bits: (i + 0.5) / 2**23, exact in float32
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """Uniforms in the open interval (0, 1), a pure function of (seed, position, salt), elementwise.
+
+    seeds, positions: Long[N] (or any broadcastable shapes) -> Float[N] (float32; never exactly 0 or 1).
+    """
+    return _uniform_from_state(_salt_state(salt), seeds, positions)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# per-row sampling parameters
+
+@dataclass
+class SamplingTensors:
+    """Sampling parameters of N logit rows. Host-side flags let hot paths skip work without a device sync."""
+    temperature: torch.Tensor   # Float[N], 0 for greedy rows
+    top_k: torch.Tensor         # Long[N], 0 = no top-k
+    top_p: torch.Tensor         # Float[N], 1 = no top-p
+    seed: torch.Tensor          # Long[N]
+    greedy: torch.Tensor        # Bool[N]
+    use_filter: bool = True     # host flag: some row may use top-k or top-p (False: skip the sort)
+    all_greedy: bool = False    # host flag: every row is greedy (skip rejection sampling)
+
+    @classmethod
+    def from_params(cls, params_list: list[SamplingParams], seeds: list[int], device=None) -> "SamplingTensors":
+        """One row per request. `seeds` are the resolved per-request seeds (any Python ints; reduced mod 2**64)."""
+        if len(seeds) != len(params_list):
+            raise ValueError(f"got {len(seeds)} seeds for {len(params_list)} sampling params")
+        if any(not isinstance(s, int) for s in seeds):
+            raise ValueError(f"seeds must be ints (resolve seed=None before sampling), got {seeds!r}")
+        greedy = [p.greedy for p in params_list]
+        sampled = [p for p in params_list if not p.greedy]
+        return cls(
+            temperature=torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(greedy, params_list)],
+                                     dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params_list], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params_list], dtype=torch.float32, device=device),
+            seed=torch.tensor([(s + 2**63) % 2**64 - 2**63 for s in seeds], dtype=torch.long, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+            all_greedy=all(greedy),
+        )
+
+    def rows(self, index: torch.Tensor) -> "SamplingTensors":
+        """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. k+1 verify rows per request)."""
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
+                               self.greedy[index], self.use_filter, self.all_greedy)
+
+    def __len__(self) -> int:
+        return self.seed.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logits -> probabilities -> tokens
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set filtered-out logits to -inf. logits Float[N, V], top_k Long[N], top_p Float[N] -> Float[N, V].
+
+    top-k keeps exactly k tokens (ties broken towards the lower index, like argmax); top-p then keeps the smallest
+    prefix of the sorted distribution whose mass is >= top_p (the top token always survives).
+    """
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
+    rank = torch.arange(V, device=logits.device)                              # [V]
+    k = torch.where(top_k > 0, top_k, V)                                      # [N]
+    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(-1)                                         # [N, V]
+    mass_before = probs.cumsum(-1) - probs                                    # [N, V] exclusive prefix mass
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)           # top_p == 1: keep all despite rounding
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits Float[N, V] (any float dtype) -> probs Float[N, V] (float32); greedy rows one-hot at torch.argmax."""
+    logits = logits.float()                                                   # [N, V]
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()   # [N, V] greedy rows
+    if st.all_greedy:                                                         # cheap path: no softmax
+        return one_hot
+    temperature = torch.where(st.greedy, 1.0, st.temperature)                 # [N], avoid 0-division on greedy rows
+    logits = logits / temperature[:, None]                                    # [N, V]
+    if st.use_filter:
+        logits = _top_k_top_p(logits, st.top_k, st.top_p)
+    probs = logits.softmax(-1)                                                # [N, V]
+    return torch.where(st.greedy[:, None], one_hot, probs)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row: probs Float[N, V] (non-negative, need not sum to 1), u Float[N] in (0,1) -> Long[N]."""
+    cdf = probs.cumsum(-1)                                                    # [N, V]
+    target = (u * cdf[:, -1])[:, None]                                        # [N, 1], < total since u < 1
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)          # first i with cdf[i] > target
+    token = token.clamp_max(probs.shape[-1] - 1)                              # guard: rounding at the top end
+    # guard: a (parallel) cumsum that is not exactly monotone could land on a zero-probability token
+    ok = probs.gather(-1, token[:, None]).squeeze(-1) > 0
+    return torch.where(ok, token, probs.argmax(-1))
+
+
+def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """probs Float[N, V], positions Long[N] (position of the token being sampled) -> tokens Long[N]."""
+    if st.all_greedy:
+        return probs.argmax(-1)
+    u = uniform(st.seed, positions, salt)                                     # [N]
+    return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verification
+
+@dataclass
+class VerifyResult:
+    """Per request b: it emits draft_tokens[b, :num_accepted[b]] followed by next_token[b] (num_accepted + 1 tokens).
+
+    Counts: accepted = num_accepted, recovered = (~is_bonus) rows, bonus = is_bonus rows.
+    """
+    num_accepted: torch.Tensor  # Long[B], 0..num_drafts
+    next_token: torch.Tensor    # Long[B], recovered token (after a rejection) or bonus token (all accepted)
+    is_bonus: torch.Tensor      # Bool[B], every draft accepted (also, vacuously, rows with num_drafts == 0)
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """accept Bool[B, K] -> Long[B]: length of the leading run of True."""
+    return accept.long().cumprod(-1).sum(-1)
+
+
+def verify_greedy(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor):
+    """Accept the longest prefix where draft == target argmax, then emit the target argmax that follows.
+
+    target_probs Float[B, K+1, V], draft_tokens Long[B, K], num_drafts Long[B] -> (num_accepted Long[B], token Long[B])
+    """
+    K = draft_tokens.shape[1]
+    target = target_probs.argmax(-1)                                          # [B, K+1]
+    valid = torch.arange(K, device=draft_tokens.device) < num_drafts[:, None]   # [B, K], False on padding
+    n = _accepted_prefix((draft_tokens == target[:, :K]) & valid)             # [B]
+    return n, target.gather(1, n[:, None]).squeeze(1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)): p, q Float[B, V] -> Float[B, V]. Falls back to p where the residual is all zero
+    (reachable only through rounding, when p == q and yet a rejection happened)."""
+    r = (p - q).clamp_min(0.0)                                                # [B, V]
+    mass = r.sum(-1, keepdim=True)                                            # [B, 1]
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, first_position):
+    """Lossless rejection sampling (Leviathan et al. / Chen et al.): the emitted tokens are distributed exactly as
+    sampling from the target, whatever the draft distribution q.
+
+    target_probs Float[B, K+1, V] (p), draft_tokens Long[B, K] (x), draft_probs Float[B, K, V] (q) or None (q one-hot
+    at x), num_drafts Long[B], seed Long[B], first_position Long[B] -> (num_accepted Long[B], token Long[B])
+    """
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    j = torch.arange(K, device=draft_tokens.device)                           # [K]
+    valid = j < num_drafts[:, None]                                           # [B, K]
+    x = torch.where(valid, draft_tokens, 0)                                   # [B, K], padding -> a safe index
+    p_x = target_probs[:, :K].gather(-1, x[..., None]).squeeze(-1)            # [B, K]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, x[..., None]).squeeze(-1)
+    u = uniform(seed[:, None], first_position[:, None] + j, SALT_ACCEPT)      # [B, K]
+    accept = (u * q_x < p_x) & valid                                          # P(accept) = min(1, p(x) / q(x))
+    n = _accepted_prefix(accept)                                              # [B]
+    is_bonus = n == num_drafts                                                # [B]
+
+    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V] target at the decided row
+    if K > 0:
+        i = n.clamp_max(K - 1)[:, None]                                       # [B, 1] rejected row (junk if bonus)
+        if draft_probs is None:
+            q_n = torch.zeros_like(p_n).scatter_(1, x.gather(1, i), 1.0)      # [B, V] one-hot draft
+        else:
+            q_n = draft_probs.gather(1, i[..., None].expand(B, 1, V)).squeeze(1)
+        dist = torch.where(is_bonus[:, None], p_n, residual_distribution(p_n, q_n))
+    else:
+        dist = p_n
+    pos = first_position + n                                                  # [B] position of the next token
+    state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))   # [B] per-row salt
+    u_next = _uniform_from_state(state, seed, pos)                            # [B]
+    return n, _inverse_cdf(dist, u_next)
+
+
+def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+           num_drafts: torch.Tensor, st: SamplingTensors, first_position: torch.Tensor) -> VerifyResult:
+    """Verify a batch of requests with a variable number of (right-padded) drafts each.
+
+    target_probs   Float[B, K+1, V]  row j: target distribution of the token at position first_position + j
+    draft_tokens   Long[B, K]        draft proposed for position first_position + j; ignored beyond num_drafts[b]
+    draft_probs    Float[B, K, V]    the distribution each draft was sampled from, or None for deterministic drafts
+                                     (greedy or n-gram: q is one-hot at the draft token)
+    num_drafts     Long[B]           0..K (0: a plain decode step, sampling the target at row 0)
+    st             one row per request; first_position Long[B]
+    """
+    n, token = verify_greedy(target_probs, draft_tokens, num_drafts)
+    if not st.all_greedy:
+        n_r, token_r = verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, st.seed, first_position)
+        n, token = torch.where(st.greedy, n, n_r), torch.where(st.greedy, token, token_r)
+    return VerifyResult(num_accepted=n, next_token=token, is_bonus=n == num_drafts)

@@ -1,0 +1,180 @@
+"""The engine end to end on a tiny random Qwen3: losslessness across every drafter and system setting, batching,
+scheduler invariants, offload, bad input. Greedy outputs must match plain greedy decoding token for token."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from nano_sparsespec import LLM, SamplingParams
+from nano_sparsespec.config import SpecConfig
+
+PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_qwen3, prompts):
+    llm = LLM(str(tiny_qwen3[0]), method="plain")
+    return [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
+
+
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+def run(path, prompts, params=GREEDY, **spec):
+    llm = LLM(str(path), **spec)
+    return llm, llm.generate(None, params, prompt_token_ids=prompts)
+
+
+def test_batch_equals_each_prompt_alone(tiny_qwen3, prompts, plain_greedy):
+    llm = LLM(str(tiny_qwen3[0]), method="plain")
+    alone = [llm.generate(None, GREEDY, prompt_token_ids=[p])[0].token_ids for p in prompts]
+    assert alone == plain_greedy
+    assert all(len(t) == GREEDY.max_new_tokens for t in alone)
+
+
+CASES = list(itertools.product(("pillar", "streaming", "ngram", "full"), ("naive", "balanced"), (False, True),
+                               (None, 12)))
+
+
+@pytest.mark.parametrize("method,policy,async_verify,kv_blocks", CASES)
+def test_greedy_speculation_is_lossless(tiny_qwen3, prompts, plain_greedy, method, policy, async_verify, kv_blocks):
+    # max_batch 5 < 8 prompts: later requests are admitted while others decode. kv_blocks=12 (of 16 tokens) cannot
+    # hold all running requests, so whole requests move to the host pool and back.
+    llm, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=8, budget_ratio=0.1,
+                    batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, max_batch=5,
+                    prefill_chunk=32)
+    assert [o.token_ids for o in outs] == plain_greedy
+    if kv_blocks is not None:
+        assert llm.last_stats.offloads > 0 and llm.last_stats.restores == llm.last_stats.offloads
+
+
+@pytest.mark.parametrize("stride", [1, 4, 8])
+def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
+    _, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=stride, min_budget=8, budget_ratio=0.1)
+    assert [o.token_ids for o in outs] == plain_greedy
+
+
+def test_full_drafter_accepts_every_draft(tiny_qwen3, prompts):
+    llm, _ = run(tiny_qwen3[0], prompts, method="full", stride=4)
+    stats = llm.last_stats
+    assert stats.accepted_counts and stats.accepted_counts == stats.drafts_offered
+
+
+def test_sparse_drafts_really_differ_from_dense(tiny_qwen3, prompts):
+    """With a small budget the sparse drafter must sometimes be wrong: proof the drafts really are sparse."""
+    llm, _ = run(tiny_qwen3[0], prompts, method="streaming", stride=4, min_budget=4, budget_ratio=0.01)
+    assert sum(llm.last_stats.accepted_counts) < sum(llm.last_stats.drafts_offered)
+
+
+def test_balanced_staggers_verifications_and_naive_locks_step(tiny_qwen3):
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 250, (8,), generator=g).tolist() for _ in range(10)]
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    k = 4
+    for policy in ("naive", "balanced"):
+        llm, _ = run(tiny_qwen3[0], prompts, params, method="pillar", stride=k, min_budget=8, batch_policy=policy,
+                     prefill_chunk=1024)
+        verifies = llm.last_stats.verifications_per_step
+        steady = verifies[k + 2: len(verifies) // 2]            # after the first cycle, before anyone finishes
+        if policy == "naive":
+            assert set(steady) == {0, len(prompts)}
+        else:
+            target = len(prompts) / (k + 1)
+            assert all(abs(v - target) <= 1 for v in steady), steady
+
+
+def test_every_request_finishes_with_tiny_pool(tiny_qwen3, prompts, plain_greedy):
+    """A pool that holds about one request at a time: everyone still finishes, nothing is lost or corrupted."""
+    llm, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, kv_blocks=8, max_batch=8)
+    assert [o.token_ids for o in outs] == plain_greedy
+
+
+def test_pool_too_small_for_one_request_is_a_clear_error(tiny_qwen3, prompts):
+    _, outs = run(tiny_qwen3[0], prompts, method="pillar", kv_blocks=2)
+    assert all(o.finish_reason == "error" and "KV pool too small" in o.error for o in outs if o.num_prompt_tokens)
+    assert all(o.token_ids == [] for o in outs)
+
+
+def test_bad_requests_do_not_lose_the_others(tiny_qwen3, prompts, plain_greedy):
+    too_long = [i % 250 for i in range(600)]                          # the tiny model's context is 512
+    batch = [prompts[0], [], too_long, prompts[1]]
+    _, outs = run(tiny_qwen3[0], batch, method="pillar", stride=4, min_budget=8)
+    assert outs[0].token_ids == plain_greedy[0] and outs[3].token_ids == plain_greedy[1]
+    assert outs[1].finish_reason == "error" and "empty prompt" in outs[1].error
+    assert outs[2].finish_reason == "error" and "600 tokens" in outs[2].error and "512" in outs[2].error
+
+
+def test_context_end_stops_generation(tiny_qwen3):
+    _, outs = run(tiny_qwen3[0], [[i % 250 for i in range(500)]], SamplingParams(max_new_tokens=100, ignore_eos=True),
+                  method="pillar", stride=4, min_budget=8)
+    assert outs[0].finish_reason == "length" and outs[0].num_prompt_tokens + len(outs[0].token_ids) == 512
+
+
+def test_eos_stops_and_is_kept(tiny_qwen3, prompts, plain_greedy):
+    eos = plain_greedy[2][10]                             # pretend this token is EOS
+    llm = LLM(str(tiny_qwen3[0]), method="pillar", stride=4, min_budget=8)
+    llm.eos_token_ids = {eos}
+    out = llm.generate(None, SamplingParams(max_new_tokens=40), prompt_token_ids=[prompts[2]])[0]
+    first = plain_greedy[2].index(eos)
+    assert out.finish_reason == "stop" and out.token_ids == plain_greedy[2][:first + 1]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")])
+def test_bad_sampling_params(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(stride=0), "stride"), (dict(budget_ratio=0.0), "budget_ratio"), (dict(budget_ratio=1.5), "budget_ratio"),
+    (dict(min_budget=0), "min_budget"), (dict(method="medusa"), "medusa"), (dict(batch_policy="fifo"), "fifo")])
+def test_bad_spec_params(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SpecConfig(**bad)
+
+
+def chi_square_two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom for 'two samples of categories come from one distribution'."""
+    cats = np.union1d(a, b)
+    ca = np.array([(a == c).sum() for c in cats], float)
+    cb = np.array([(b == c).sum() for c in cats], float)
+    keep = (ca + cb) >= 10                                 # pool rare categories into one bin
+    ca = np.append(ca[keep], ca[~keep].sum())
+    cb = np.append(cb[keep], cb[~keep].sum())
+    ka, kb = np.sqrt(cb.sum() / ca.sum()), np.sqrt(ca.sum() / cb.sum())
+    nz = (ca + cb) > 0
+    stat = (((ka * ca - kb * cb) ** 2) / (ca + cb))[nz].sum()
+    return stat, int(nz.sum()) - 1
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper critical value at alpha = 1e-3 (z = 3.09) by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("method", ["pillar", "streaming", "ngram"])
+def test_speculative_sampling_matches_plain_sampling(tiny_qwen3, method):
+    """Distribution of the first generated tokens: speculative sampling vs plain sampling (alpha = 1e-3)."""
+    n = 1500
+    prompt = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = [SamplingParams(temperature=1.5, top_k=20, max_new_tokens=4, ignore_eos=True, seed=s) for s in range(n)]
+    params_b = [SamplingParams(temperature=1.5, top_k=20, max_new_tokens=4, ignore_eos=True, seed=10 ** 6 + s)
+                for s in range(n)]
+    _, plain = run(tiny_qwen3[0], [prompt] * n, params, method="plain", max_batch=n)
+    llm, spec = run(tiny_qwen3[0], [prompt] * n, params_b, method=method, stride=3, min_budget=4,
+                    budget_ratio=0.01, max_batch=n)
+    assert sum(llm.last_stats.drafts_offered) > 0
+    for position in (1, 2, 3):   # the first token comes from the prefill; later ones from verification
+        a = np.array([o.token_ids[position] for o in plain])
+        b = np.array([o.token_ids[position] for o in spec])
+        stat, df = chi_square_two_sample(a, b)
+        assert stat < chi_square_critical(df), (position, stat, df)
