@@ -47,7 +47,7 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        if arch is None and not archs:       # no architectures listed: fall back on model_type
             model_type = cfg.get("model_type")
             arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(model_type)
         if arch is None:

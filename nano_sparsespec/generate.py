@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                           kv_blocks=args.kv_blocks, max_batch=args.max_batch)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile, gguf=args.gguf,
                   **vars(spec))
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

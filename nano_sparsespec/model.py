@@ -228,7 +228,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         for name, hf_names in _hf_sources(cfg).items():
             missing = [n for n in hf_names if n not in where]
             if missing:
-                raise KeyError(f"weight {missing[0]!r} not found in {str(model_dir)!r}")
+                raise ValueError(f"weight {missing[0]!r} not found in {str(model_dir)!r}")
             parts = []
             for hf_name in hf_names:
                 file = where[hf_name]
@@ -242,7 +242,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device).to(dtype)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in state}
     for name, tensor in state.items():
         if tuple(tensor.shape) != expected[name]:

@@ -1,0 +1,453 @@
+"""pillar_attn.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
+critical-token selection policies (PillarAttn top-B, StreamingLLM sink + recent)."""
+import math
+import shutil
+
+import pytest
+import torch
+
+from nano_sparsespec import pillar_attn as pa
+from nano_sparsespec.pillar_attn import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
+                                         select_pillar, select_streaming, sparse_attention)
+
+H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
+G = H // N_KV
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def eager_kernels():
+    pa.use_eager_kernels()
+    yield
+    pa.use_eager_kernels()
+
+
+def softmax_row(logits):
+    """Plain softmax of a python list of floats (no torch), for the references."""
+    m = max(logits)
+    e = [math.exp(x - m) for x in logits]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# References written with loops: one request, one head, one query row at a time.
+
+def ref_attention_row(q_vec, keys, values, allowed):
+    """q_vec [D]; keys, values [L, D]; allowed: list of positions -> (out [D], probs [L] with zeros elsewhere)."""
+    q64, k64, v64 = q_vec.double(), keys.double(), values.double()
+    logits = [float(q64 @ k64[p]) / math.sqrt(q_vec.shape[0]) for p in allowed]
+    p = softmax_row(logits)
+    probs = torch.zeros(keys.shape[0], dtype=torch.float64)
+    for pos, w in zip(allowed, p):
+        probs[pos] = w
+    return probs @ v64, probs
+
+
+def make_padded_batch(q_lens, ctx_lens, seed=0):
+    """Queries are the last q_len positions of a context of ctx_len; padding rows may see position 0 only."""
+    g = torch.Generator().manual_seed(seed)
+    B, Qmax, Lmax = len(q_lens), max(q_lens), max(ctx_lens)
+    q = torch.randn(B, Qmax, H, D, generator=g) * 2
+    k = torch.randn(B, Lmax, N_KV, D, generator=g) * 2
+    v = torch.randn(B, Lmax, N_KV, D, generator=g)
+    mask = torch.zeros(B, Qmax, Lmax, dtype=torch.bool)
+    q_valid = torch.zeros(B, Qmax, dtype=torch.bool)
+    for b, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
+        for i in range(Qmax):
+            if i < ql:
+                q_valid[b, i] = True
+                pos = cl - ql + i
+                mask[b, i, :pos + 1] = True
+            else:
+                mask[b, i, 0] = True
+    return q, k, v, mask, q_valid
+
+
+def ref_dense(q, k, v, q_lens, ctx_lens, weight):
+    B, Qmax = q.shape[:2]
+    Lmax = k.shape[1]
+    out = torch.zeros(B, Qmax, H, D, dtype=torch.float64)
+    scores = torch.zeros(B, N_KV, Lmax, dtype=torch.float64)
+    for b in range(B):
+        ql, cl = q_lens[b], ctx_lens[b]
+        for h in range(H):
+            j = h // G                                       # KV head of query head h
+            for i in range(ql):
+                pos = cl - ql + i
+                o, p = ref_attention_row(q[b, i, h], k[b, :, j], v[b, :, j], list(range(pos + 1)))
+                out[b, i, h] = o
+                scores[b, j] += float(weight[b, i]) * p / G
+    return out, scores
+
+
+def test_dense_attention_matches_loop_reference():
+    q_lens, ctx_lens = [3, 1, 5], [7, 4, 9]
+    q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens)
+    # score weights: all rows of request 0, the last row of request 1, rows 1 and 4 of request 2 (0 on padding)
+    weight = torch.zeros(3, 5)
+    weight[0, :3] = 1 / 3
+    weight[1, 0] = 1.0
+    weight[2, 1] = weight[2, 4] = 0.5
+    out, scores = dense_attention(q, k, v, mask, weight)
+    ref_out, ref_scores = ref_dense(q, k, v, q_lens, ctx_lens, weight)
+    assert out.shape == (3, 5, H, D) and scores.shape == (3, N_KV, 9)
+    assert torch.allclose(out[q_valid].double(), ref_out[q_valid], atol=TOL)
+    assert torch.allclose(scores.double(), ref_scores, atol=TOL)
+    assert not torch.isnan(out[q_valid]).any()
+    # the scores of each request are a probability distribution over its context (weights sum to 1)
+    assert torch.allclose(scores.sum(-1), torch.ones(3, N_KV), atol=TOL)
+    for b, cl in enumerate(ctx_lens):
+        assert (scores[b, :, cl:] == 0).all()
+    # without score_weight no scores, same output
+    out2, none = dense_attention(q, k, v, mask)
+    assert none is None and torch.equal(out2, out)
+
+
+def test_dense_attention_mha_and_bfloat16():
+    q_lens, ctx_lens = [2, 4], [6, 4]
+    q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens, seed=3)
+    # MHA: as many KV heads as query heads -> repeat each KV head so the GQA reference applies
+    k4, v4 = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    out_mha, _ = dense_attention(q, k4, v4, mask)
+    out_gqa, _ = dense_attention(q, k, v, mask)
+    assert torch.allclose(out_mha[q_valid], out_gqa[q_valid], atol=TOL)
+    out_bf16, _ = dense_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert out_bf16.dtype == torch.bfloat16
+    assert torch.allclose(out_bf16[q_valid].float(), out_gqa[q_valid], atol=0.1)
+
+
+def test_dense_attention_head_to_kv_group_mapping():
+    """Query head h must read KV head h // G (transformers' repeat_interleave convention), not h % n_kv."""
+    q, k, v, mask, q_valid = make_padded_batch([1], [5], seed=4)
+    v = torch.zeros_like(v)
+    v[..., 0, :] = 1.0                                       # KV head 0 values: all ones
+    v[..., 1, :] = -1.0                                      # KV head 1 values: all minus ones
+    out, _ = dense_attention(q, k, v, mask)
+    for h in range(H):
+        assert torch.allclose(out[0, 0, h], torch.full((D,), 1.0 if h // G == 0 else -1.0), atol=TOL)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sparse attention
+
+def test_sparse_attention_equals_masked_dense():
+    g = torch.Generator().manual_seed(1)
+    B, Lctx, S = 3, 12, 5
+    q = torch.randn(B, H, D, generator=g) * 2
+    K = torch.randn(B, Lctx, N_KV, D, generator=g) * 2
+    V = torch.randn(B, Lctx, N_KV, D, generator=g)
+    n_valid = [5, 3, 1]
+    idx = torch.zeros(B, N_KV, S, dtype=torch.long)
+    for b in range(B):
+        for j in range(N_KV):                                # a different set per KV head
+            idx[b, j] = torch.randperm(Lctx, generator=g)[:S]
+    valid = torch.arange(S)[None] < torch.tensor(n_valid)[:, None]              # [B, S]
+    k = torch.stack([torch.stack([K[b, idx[b, j], j] for j in range(N_KV)]) for b in range(B)])   # [B, n_kv, S, D]
+    v = torch.stack([torch.stack([V[b, idx[b, j], j] for j in range(N_KV)]) for b in range(B)])
+    # padding entries hold garbage that would dominate if it were not masked
+    k[~valid[:, None, :].expand(B, N_KV, S)] = 100.0
+    v[~valid[:, None, :].expand(B, N_KV, S)] = 1e4
+    out = sparse_attention(q, k, v, valid)
+    assert out.shape == (B, H, D)
+    for b in range(B):
+        for h in range(H):
+            j = h // G
+            allowed = torch.zeros(Lctx, dtype=torch.bool)
+            allowed[idx[b, j, :n_valid[b]]] = True
+            logits = (K[b, :, j].double() @ q[b, h].double()) / math.sqrt(D)    # dense logits over the context
+            probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+            ref = probs @ V[b, :, j].double()
+            assert torch.allclose(out[b, h].double(), ref, atol=TOL), (b, h)
+
+
+def test_sparse_attention_full_set_is_dense_attention():
+    """A draft that gathers every position equals a dense decode step over the same context."""
+    q_all, k, v, mask, _ = make_padded_batch([1], [9], seed=2)
+    dense_out, _ = dense_attention(q_all, k, v, mask)
+    gathered_k = k.permute(0, 2, 1, 3)                       # [1, n_kv, L, D]
+    gathered_v = v.permute(0, 2, 1, 3)
+    out = sparse_attention(q_all[:, 0], gathered_k, gathered_v, torch.ones(1, 9, dtype=torch.bool))
+    assert torch.allclose(out, dense_out[:, 0], atol=TOL)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# attend(): the dispatcher the model calls
+
+def ref_causal(q, k, v):
+    T = q.shape[0]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            out[t, h] = ref_attention_row(q[t, h], k[:, h // G], v[:, h // G], list(range(t + 1)))[0]
+    return out
+
+
+def test_attend_without_context_is_causal_attention():
+    g = torch.Generator().manual_seed(5)
+    T = 7
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, N_KV, D, generator=g), torch.randn(T, N_KV, D, generator=g)
+    out = attend(0, q, k, v, None)
+    assert out.shape == (T, H, D)
+    assert torch.allclose(out.double(), ref_causal(q, k, v), atol=TOL)
+
+
+def test_attend_with_context_writes_cache_and_routes_rows():
+    """One step, tokens flattened as [A0, S0, A1, C0, A2]:
+    A: dense, 3 new tokens at positions 2..4 after 2 cached ones (prefill chunk / verification), with scores;
+    C: dense, 1 new token at position 3 after 3 cached ones (plain decode);
+    S: sparse draft token at position 6 of a context whose positions 0..5 are cached, attending to {0, 2, 6} on KV
+       head 0 and {1, 5, 6} on KV head 1."""
+    g = torch.Generator().manual_seed(6)
+    Lyr, slots, layer = 2, 40, 1
+    k_cache = torch.randn(Lyr, slots, N_KV, D, generator=g)
+    v_cache = torch.randn(Lyr, slots, N_KV, D, generator=g)
+    before = (k_cache.clone(), v_cache.clone())
+    # slots of each request's positions (scattered, not contiguous)
+    slots_A = torch.tensor([10, 11, 12, 13, 20])
+    slots_C = torch.tensor([30, 31, 32, 5])
+    slots_S = torch.tensor([0, 1, 2, 3, 25, 26, 27])
+    T = 5
+    q = torch.randn(T, H, D, generator=g)
+    k = torch.randn(T, N_KV, D, generator=g)
+    v = torch.randn(T, N_KV, D, generator=g)
+    rows_A, row_S, row_C = [0, 2, 4], 1, 3
+    slot_mapping = torch.empty(T, dtype=torch.long)
+    slot_mapping[rows_A] = slots_A[2:]
+    slot_mapping[row_S] = slots_S[6]
+    slot_mapping[row_C] = slots_C[3]
+
+    # dense batch: A (3 queries, context 5) and C (1 query, context 4), Qmax 3, Lmax 5
+    q_index = torch.tensor([[0, 2, 4], [3, 0, 0]])
+    q_valid = torch.tensor([[True, True, True], [True, False, False]])
+    kv_slots = torch.stack([slots_A, torch.cat([slots_C, slots_C[:1]])])
+    q_pos = torch.tensor([[2, 3, 4], [3, 0, 0]])
+    kv_pos = torch.arange(5)
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
+    mask &= q_valid[:, :, None] | (kv_pos[None, None, :] == 0)
+    weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
+    dense = DenseBatch(q_index, q_valid, kv_slots, mask, score_weight=weight,
+                       scores=torch.full((Lyr, 2, N_KV, 5), -1.0))
+    # sparse batch: one draft, S = 4 entries with the last one padding
+    sel = {0: [0, 2, 6], 1: [1, 5, 6]}
+    kv_index = torch.zeros(Lyr, 1, N_KV, 4, dtype=torch.long)
+    for j, positions in sel.items():
+        kv_index[layer, 0, j, :3] = slots_S[positions] * N_KV + j
+        kv_index[layer, 0, j, 3] = 7 * N_KV + j              # padding: some other valid slot
+    sparse = SparseBatch(torch.tensor([row_S]), kv_index, torch.tensor([[True, True, True, False]]))
+    ctx = AttentionContext(k_cache, v_cache, slot_mapping, dense=dense, sparse=sparse)
+
+    out = attend(layer, q, k, v, ctx)
+    assert out.shape == (T, H, D)
+
+    # K/V written at slot_mapping of this layer only; every other slot untouched
+    assert torch.equal(k_cache[layer, slot_mapping], k) and torch.equal(v_cache[layer, slot_mapping], v)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert torch.equal(k_cache[layer, untouched], before[0][layer, untouched])
+    assert torch.equal(v_cache[layer, untouched], before[1][layer, untouched])
+    assert torch.equal(k_cache[0], before[0][0]) and torch.equal(v_cache[0], before[1][0])
+
+    # dense rows: A's tokens attend causally over A's (updated) context
+    KA, VA = k_cache[layer, slots_A], v_cache[layer, slots_A]                      # [5, n_kv, D]
+    score_ref = torch.zeros(N_KV, 5, dtype=torch.float64)
+    for i, row in enumerate(rows_A):
+        for h in range(H):
+            o, p = ref_attention_row(q[row, h], KA[:, h // G], VA[:, h // G], list(range(2 + i + 1)))
+            assert torch.allclose(out[row, h].double(), o, atol=TOL), ("A", i, h)
+            score_ref[h // G] += p / 3 / G
+    KC, VC = k_cache[layer, slots_C], v_cache[layer, slots_C]
+    score_ref_C = torch.zeros(N_KV, 5, dtype=torch.float64)
+    for h in range(H):
+        o, p = ref_attention_row(q[row_C, h], KC[:, h // G], VC[:, h // G], list(range(4)))
+        assert torch.allclose(out[row_C, h].double(), o, atol=TOL), ("C", h)
+        score_ref_C[h // G, :4] += p / G
+    # scores filled for this layer only
+    assert torch.allclose(dense.scores[layer, 0].double(), score_ref, atol=TOL)
+    assert torch.allclose(dense.scores[layer, 1].double(), score_ref_C, atol=TOL)
+    assert (dense.scores[0] == -1).all()
+
+    # sparse row: the draft attends to its own gathered positions, including its own freshly written K/V
+    KS, VS = k_cache[layer, slots_S], v_cache[layer, slots_S]
+    for h in range(H):
+        j = h // G
+        o, _ = ref_attention_row(q[row_S, h], KS[:, j], VS[:, j], sel[j])
+        assert torch.allclose(out[row_S, h].double(), o, atol=TOL), ("S", h)
+
+
+def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
+    """The cached path through attend() (one prefill request, dense, slots out of order) equals the reference path."""
+    from conftest import make_tiny_checkpoint
+    from nano_sparsespec.model import load_model
+
+    path, _ = make_tiny_checkpoint(tmp_path, "qwen3")
+    model = load_model(path)
+    cfg = model.config
+    T = 10
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
+    slots = torch.randperm(16, generator=torch.Generator().manual_seed(1))[:T]
+    k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    pos = torch.arange(T)
+    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), slots[None], (pos[None, :] <= pos[:, None])[None])
+    ctx = AttentionContext(k_cache, v_cache, slots, dense=dense)
+    with torch.inference_mode():
+        logits = model.logits(model(ids, pos, ctx))
+    assert torch.allclose(logits, model.full_logits(ids), atol=1e-4)
+    assert k_cache[:, slots].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Critical-token selection
+
+def ref_select(scores, context_len, budget):
+    """Per request a nested list [L][n_kv] of positions: top-`budget` by score, ties to the lower position."""
+    L, B, n_kv, _ = scores.shape
+    result = []
+    for b in range(B):
+        per_layer = []
+        for layer in range(L):
+            per_head = []
+            for j in range(n_kv):
+                cand = sorted(range(int(context_len[b])), key=lambda p: (-float(scores[layer, b, j, p]), p))
+                per_head.append(cand[:min(int(budget[b]), int(context_len[b]))])
+            per_layer.append(per_head)
+        result.append(per_layer)
+    return result
+
+
+def test_select_pillar_matches_reference_with_ties_and_per_request_budgets():
+    g = torch.Generator().manual_seed(7)
+    L, B, Lmax = 3, 4, 20
+    # few distinct values -> many ties; columns past a request's context are the largest (must never be chosen)
+    scores = torch.randint(0, 4, (L, B, N_KV, Lmax), generator=g).float() / 4
+    context_len = torch.tensor([20, 13, 6, 9])
+    budget = torch.tensor([5, 4, 10, 9])                         # request 2: budget > context; request 3: ==
+    for b in range(B):
+        scores[:, b, :, int(context_len[b]):] = 10.0
+    sel = select_pillar(scores, context_len, budget)
+    ref = ref_select(scores, context_len, budget)
+    assert len(sel) == B
+    for b in range(B):
+        n = min(int(budget[b]), int(context_len[b]))
+        assert sel[b].shape == (L, N_KV, n) and sel[b].dtype == torch.long
+        assert sel[b].tolist() == ref[b], b
+        assert (sel[b] < context_len[b]).all()
+    # budget >= context: every position of the context, exactly once
+    for layer in range(L):
+        for j in range(N_KV):
+            assert sorted(sel[2][layer, j].tolist()) == list(range(6))
+            assert sorted(sel[3][layer, j].tolist()) == list(range(9))
+
+
+def test_select_pillar_tie_break_towards_lower_positions():
+    scores = torch.zeros(1, 1, 1, 8)
+    scores[..., [1, 3, 6]] = 0.5                                  # three tied maxima
+    sel = select_pillar(scores, torch.tensor([8]), torch.tensor([2]))
+    assert sel[0].tolist() == [[[1, 3]]]
+    sel = select_pillar(torch.zeros(1, 1, 1, 8), torch.tensor([8]), torch.tensor([3]))
+    assert sel[0].tolist() == [[[0, 1, 2]]]
+
+
+def test_select_pillar_per_layer_and_head():
+    """Each (layer, KV head) picks its own top positions."""
+    L, Lmax = 2, 10
+    scores = torch.zeros(L, 1, N_KV, Lmax)
+    scores[0, 0, 0, [7, 2]] = torch.tensor([0.9, 0.5])
+    scores[0, 0, 1, [4, 8]] = torch.tensor([0.6, 0.7])
+    scores[1, 0, 0, [0, 9]] = torch.tensor([0.3, 0.2])
+    scores[1, 0, 1, [5, 1]] = torch.tensor([0.8, 0.1])
+    sel = select_pillar(scores, torch.tensor([10]), torch.tensor([2]))[0]
+    assert sel.tolist() == [[[7, 2], [8, 4]], [[0, 9], [5, 1]]]
+
+
+def test_pillars_from_gqa_averaged_probabilities():
+    """Scores average the probabilities over the group's heads and the chosen query rows: a position that is second
+    best for both heads of a group wins over positions that are best for only one head; a row with weight 0 (e.g. a
+    rejected draft) does not vote. Probabilities are set exactly by one-hot keys and queries that carry log p."""
+    L = 6                                                  # context positions
+    Dk = 8                                                 # >= L: key p is the one-hot vector e_p
+    Q = 2                                                  # query rows: row 0 chosen, row 1 weight 0
+    probs = torch.full((H, Q, L), 0.01)
+    # KV head 0 = query heads 0, 1
+    probs[0, 0, [2, 3]] = torch.tensor([0.60, 0.35])
+    probs[1, 0, [5, 3]] = torch.tensor([0.58, 0.35])
+    # KV head 1 = query heads 2, 3: position 1 carries the group
+    probs[2, 0, [1, 4]] = torch.tensor([0.45, 0.50])
+    probs[3, 0, [1, 0]] = torch.tensor([0.45, 0.52])
+    # row 1 (not chosen) puts everything on position 4 for every head
+    probs[:, 1, 4] = 0.9
+    probs = probs / probs.sum(-1, keepdim=True)
+    k = torch.zeros(1, L, N_KV, Dk)
+    for p in range(L):
+        k[0, p, :, p] = 1.0
+    q = torch.zeros(1, Q, H, Dk)
+    q[0, :, :, :L] = probs.log().permute(1, 0, 2) * math.sqrt(Dk)          # logit of position p = log probs[p]
+    v = torch.randn(1, L, N_KV, Dk)
+    mask = torch.ones(1, Q, L, dtype=torch.bool)
+    weight = torch.tensor([[1.0, 0.0]])
+    _, scores = dense_attention(q, k, v, mask, weight)                      # [1, n_kv, L]
+    expected = torch.stack([probs[0:2, 0].mean(0), probs[2:4, 0].mean(0)])  # [n_kv, L]
+    assert torch.allclose(scores[0], expected, atol=TOL)
+    sel = select_pillar(scores[None], torch.tensor([L]), torch.tensor([1]))[0]
+    assert sel.tolist() == [[[3], [1]]]
+    sel = select_pillar(scores[None], torch.tensor([L]), torch.tensor([3]))[0]
+    assert sel[0, 0].tolist() == [3, 2, 5] and sel[0, 1].tolist() == [1, 0, 4]
+
+
+def test_select_streaming():
+    sel = select_streaming(context_len=20, budget=8, sink_tokens=3, num_layers=2, num_kv_heads=N_KV)
+    assert sel.shape == (2, N_KV, 8)
+    for layer in range(2):
+        for j in range(N_KV):
+            assert sel[layer, j].tolist() == [0, 1, 2, 15, 16, 17, 18, 19]
+    # context <= budget: every position
+    for n in (5, 8):
+        sel = select_streaming(context_len=n, budget=8, sink_tokens=3, num_layers=1, num_kv_heads=1)
+        assert sel.tolist() == [[list(range(n))]]
+    # no sinks: just the recent window
+    sel = select_streaming(context_len=9, budget=4, sink_tokens=0, num_layers=1, num_kv_heads=1)
+    assert sel.tolist() == [[[5, 6, 7, 8]]]
+    sel = select_streaming(context_len=9, budget=4, sink_tokens=1, num_layers=1, num_kv_heads=1)
+    assert sel.tolist() == [[[0, 6, 7, 8]]]
+    # more sinks than budget: still exactly `budget` positions, the first ones
+    sel = select_streaming(context_len=20, budget=3, sink_tokens=5, num_layers=1, num_kv_heads=1)
+    assert sel.tolist() == [[[0, 1, 2]]]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# torch.compile variant
+
+def _compile_available():
+    if not hasattr(torch, "compile") or shutil.which("cc") is None and shutil.which("gcc") is None:
+        return False
+    try:
+        from torch import _dynamo
+        return _dynamo.is_dynamo_supported()
+    except Exception:
+        return False
+
+
+# ~25 s on a 2-core CPU with a cold inductor cache, ~9 s warm (under the 60 s line for a `slow` mark)
+@pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
+def test_compiled_kernels_match_eager():
+    q_lens, ctx_lens = [3, 2], [7, 5]
+    q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens, seed=8)
+    weight = q_valid.float() / q_valid.sum(1, keepdim=True)
+    g = torch.Generator().manual_seed(9)
+    sq, sk, sv = torch.randn(3, H, D, generator=g), torch.randn(3, N_KV, 6, D, generator=g), torch.randn(3, N_KV, 6, D, generator=g)
+    svalid = torch.arange(6)[None] < torch.tensor([6, 4, 2])[:, None]
+    eager_out, eager_scores = dense_attention(q, k, v, mask, weight)
+    eager_sparse = sparse_attention(sq, sk, sv, svalid)
+
+    pa.compile_kernels()
+    try:
+        assert pa._kernels["dense"] is not dense_attention and pa._kernels["sparse"] is not sparse_attention
+        out, scores = pa._kernels["dense"](q, k, v, mask, weight)
+        sparse_out = pa._kernels["sparse"](sq, sk, sv, svalid)
+    finally:
+        pa.use_eager_kernels()
+    assert torch.allclose(out[q_valid], eager_out[q_valid], atol=1e-4)
+    assert torch.allclose(scores, eager_scores, atol=1e-4)
+    assert torch.allclose(sparse_out, eager_sparse, atol=1e-4)
+    assert pa._kernels["dense"] is dense_attention and pa._kernels["sparse"] is sparse_attention
