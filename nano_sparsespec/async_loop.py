@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from . import ngram, pillar_attn
 from .config import SamplingParams, SpecConfig
+from .device import to_device
 from .kv_cache import KVCache
 from .model import CausalLM, load_model
 from .runner import ModelRunner, StepResult
@@ -56,6 +57,7 @@ class RunStats:
     drafts_per_step: list[int] = field(default_factory=list)
     accepted_counts: list[int] = field(default_factory=list)        # accepted drafts per verification with drafts
     drafts_offered: list[int] = field(default_factory=list)         # drafts checked per verification with drafts
+    verify_contexts: list[int] = field(default_factory=list)        # verified context length at each of them
     offloads: int = 0
     restores: int = 0
 
@@ -165,6 +167,7 @@ class Engine:
                         stats.accepted_counts.append(accepted)
                     seq.drafts_per_verify.append(offered)
                     self.stats.drafts_offered.append(offered)
+                    self.stats.verify_contexts.append(w.start)
                 new_tokens = got["draft_tokens"][i][:accepted] + [got["next_token"][i]]
             else:                                      # the last prefill chunk: its row gives the first token
                 seq.status = Status.RUNNING
@@ -206,10 +209,9 @@ class Engine:
             return
         cfg, spec = self.model.config, self.spec
         if spec.method == "pillar":
-            index = torch.tensor([i for i, _ in refresh], device=self.cache.device)
-            context = torch.tensor([s.num_verified for _, s in refresh], device=self.cache.device)
-            budget = torch.tensor([spec.budget(s.num_verified) for _, s in refresh], device=self.cache.device)
-            chosen = pillar_attn.select_pillar(result.scores[:, index], context, budget)
+            index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
+            context = [s.num_verified for _, s in refresh]
+            chosen = pillar_attn.select_pillar(result.scores[:, index], context, [spec.budget(c) for c in context])
             for (_, seq), positions in zip(refresh, chosen):
                 self.runner.set_selection(seq, positions)
         elif spec.method == "streaming":

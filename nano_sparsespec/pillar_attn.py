@@ -22,12 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .device import to_device
+
 
 @dataclass
 class DenseBatch:
     """Requests that attend densely this step, padded to Qmax query tokens and Lmax context positions."""
     q_index: torch.Tensor        # [Bd, Qmax]        row of each query token in the step's flat token list
     q_valid: torch.Tensor        # [Bd, Qmax]  bool  real query (False: padding)
+    valid_flat: torch.Tensor     # [Nq]              real queries' flat index into [Bd * Qmax]
+    valid_rows: torch.Tensor     # [Nq]              ... and their rows in the step (indices, not a mask: no host sync)
     kv_slots: torch.Tensor       # [Bd, Lmax]        pool slot of each context position (padding: any valid slot)
     mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
@@ -65,7 +69,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         d = ctx.dense
         dense_out, scores = _kernels["dense"](q[d.q_index], ctx.k_cache[layer][d.kv_slots],
                                               ctx.v_cache[layer][d.kv_slots], d.mask, d.score_weight)
-        out[d.q_index[d.q_valid]] = dense_out[d.q_valid]
+        out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
         if scores is not None:
             d.scores[layer] = scores
     if ctx.sparse is not None:
@@ -128,21 +132,22 @@ def use_eager_kernels() -> None:
 # Critical-token selection. A selection is a LongTensor of positions [L, n_kv, n] for one request, n <= its budget;
 # every (layer, KV head) selects the same number of positions, so selections batch without ragged padding per head.
 
-def select_pillar(scores: torch.Tensor, context_len: torch.Tensor, budget: torch.Tensor) -> list[torch.Tensor]:
+def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tensor]:
     """PillarAttn: per (layer, KV head), the top-B positions of the verification scores.
 
-    scores: [L, B, n_kv, Lmax] (averaged attention probabilities); context_len: [B] positions that stay in the cache
-    (later columns are rejected drafts or padding); budget: [B] -> per request positions [L, n_kv, min(B_b, len_b)].
-    Ties break towards the lower position (stable sort), so the selection is deterministic.
+    scores: [L, B, n_kv, Lmax] (averaged attention probabilities); context_len: B ints, the positions that stay in the
+    cache (later columns are rejected drafts or padding); budget: B ints -> per request [L, n_kv, min(B_b, len_b)].
+    Ties break towards the lower position (stable sort), so the selection is deterministic. The counts are host
+    ints, so nothing here waits for the device.
     """
-    L, B, n_kv, Lmax = scores.shape
+    context, budget = [int(c) for c in context_len], [int(b) for b in budget]
+    Lmax = scores.shape[-1]
     columns = torch.arange(Lmax, device=scores.device)
-    in_context = columns[None, :] < context_len[:, None]                                # [B, Lmax]
+    in_context = columns[None, :] < to_device(context, torch.long, scores.device)[:, None]          # [B, Lmax]
     masked = scores.masked_fill(~in_context[None, :, None, :], float("-inf"))
-    k = int(min(int(budget.max()), Lmax))
-    order = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]          # [L, B, n_kv, k]
-    counts = torch.minimum(budget, context_len).tolist()
-    return [order[:, b, :, :counts[b]] for b in range(B)]
+    k = min(max(budget), Lmax)
+    order = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]                       # [L, B, n_kv, k]
+    return [order[:, b, :, :min(budget[b], context[b])] for b in range(len(context))]
 
 
 def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers: int, num_kv_heads: int,

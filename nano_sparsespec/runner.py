@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import pillar_attn, verifier
+from . import verifier
 from .config import SpecConfig
 from .kv_cache import KVCache
 from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
+from .device import to_device
 from .scheduler import Sequence, Work
 
 
@@ -69,11 +70,14 @@ class ModelRunner:
         self.selection_len[seq.row] = n
 
     # --- building the step -------------------------------------------------------------------------------------------
+    def _dev(self, data, dtype=torch.long) -> torch.Tensor:
+        return to_device(data, dtype, self.device)
+
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Padded block tables [B, max_blocks] (on the device) of these requests."""
         tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
         width = max(len(t) for t in tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).to(self.device)
+        return self._dev([t + [0] * (width - len(t)) for t in tables])
 
     def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pool slots of positions [B, ...] of the requests whose padded block tables are `tables` [B, max_blocks]."""
@@ -83,46 +87,49 @@ class ModelRunner:
         return (block * bs + flat % bs).view(positions.shape)
 
     def _dense_batch(self, dense: list[Work], row_of: list[int], with_scores: list[bool]) -> DenseBatch:
-        starts = torch.tensor([w.start for w in dense], device=self.device)             # [Bd]
-        q_lens = torch.tensor([w.num_tokens for w in dense], device=self.device)        # [Bd]
-        q_max, ctx_max = int(max(w.num_tokens for w in dense)), int(max(w.start + w.num_tokens for w in dense))
+        q_max, ctx_max = max(w.num_tokens for w in dense), max(w.start + w.num_tokens for w in dense)
+        starts = self._dev([w.start for w in dense])                                    # [Bd]
+        q_lens = self._dev([w.num_tokens for w in dense])                               # [Bd]
         qi = torch.arange(q_max, device=self.device)
         q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
-        q_index = (torch.tensor(row_of, device=self.device)[:, None] + qi).where(q_valid, 0)
+        q_index = (self._dev(row_of)[:, None] + qi).where(q_valid, 0)
+        # Where the real (non-padding) query rows sit: flat index into [Bd * Qmax], and their rows in the step.
+        valid_flat = self._dev([b * q_max + j for b, w in enumerate(dense) for j in range(w.num_tokens)])
+        valid_rows = self._dev([r + j for r, w in zip(row_of, dense) for j in range(w.num_tokens)])
         kv_pos = torch.arange(ctx_max, device=self.device).expand(len(dense), -1)       # [Bd, Lmax]
         q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
         mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
         mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
         kv_slots = self._slots(self._block_tables([w.seq for w in dense]), kv_pos.contiguous())
-        batch = DenseBatch(q_index, q_valid, kv_slots, mask)
+        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, kv_slots, mask)
         if any(with_scores):
             # Verification rows all count; after a last prefill chunk only its last row does.
             last = (q_lens - 1)[:, None]
-            is_verify = torch.tensor([w.kind == "verify" for w in dense], device=self.device)[:, None]
+            is_verify = self._dev([w.kind == "verify" for w in dense], torch.bool)[:, None]
             rows = q_valid & (is_verify | (qi[None, :] == last))
-            rows &= torch.tensor(with_scores, device=self.device)[:, None]
+            rows &= self._dev(with_scores, torch.bool)[:, None]
             batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
             batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, ctx_max, device=self.device)
         return batch
 
     def _sparse_batch(self, drafts: list[Work], row_of: list[int]) -> SparseBatch:
         seqs = [w.seq for w in drafts]
-        rows = torch.tensor([s.row for s in seqs], device=self.device)
-        n_sel = torch.tensor([self.selection_len[s.row] for s in seqs], device=self.device)             # [Bs]
-        n_win = torch.tensor([w.start - w.seq.num_verified + 1 for w in drafts], device=self.device)    # [Bs]
-        sel_max, win_max = max(self.selection_len[s.row] for s in seqs), int(n_win.max())
+        windows = [w.start - w.seq.num_verified + 1 for w in drafts]   # positions written since the verification
+        sel_max, win_max = max(self.selection_len[s.row] for s in seqs), max(windows)
+        n_sel = self._dev([self.selection_len[s.row] for s in seqs])                    # [Bs]
+        n_win = self._dev(windows)                                                      # [Bs]
         tables = self._block_tables(seqs)
-        sel_pos = self.selection[rows, :, :, :sel_max]                # [Bs, L, n_kv, Nsel]
-        win_pos = torch.tensor([s.num_verified for s in seqs], device=self.device)[:, None] \
-            + torch.arange(win_max, device=self.device)                                     # [Bs, W]
-        sel_slots = self._slots(tables, sel_pos)                                            # [Bs, L, n_kv, Nsel]
+        sel_pos = self.selection[self._dev([s.row for s in seqs]), :, :, :sel_max]     # [Bs, L, n_kv, Nsel]
+        win_pos = self._dev([s.num_verified for s in seqs])[:, None] \
+            + torch.arange(win_max, device=self.device)                                 # [Bs, W]
+        sel_slots = self._slots(tables, sel_pos)                                        # [Bs, L, n_kv, Nsel]
         win_slots = self._slots(tables, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
-        slots = torch.cat([sel_slots, win_slots], dim=-1)                                   # [Bs, L, n_kv, S]
+        slots = torch.cat([sel_slots, win_slots], dim=-1)                               # [Bs, L, n_kv, S]
         heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
-        kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()             # [L, Bs, n_kv, S]
+        kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()         # [L, Bs, n_kv, S]
         valid = torch.cat([torch.arange(sel_max, device=self.device)[None] < n_sel[:, None],
                            torch.arange(win_max, device=self.device)[None] < n_win[:, None]], dim=1)
-        return SparseBatch(torch.tensor(row_of, device=self.device), kv_index, valid)
+        return SparseBatch(self._dev(row_of), kv_index, valid)
 
     # --- one step ----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -151,23 +158,23 @@ class ModelRunner:
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
         dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
+        input_ids = self._dev(ids)
         if feed_at:
-            src = torch.tensor(feed_from, dtype=torch.long).to(dev)
-            input_ids[torch.tensor(feed_at).to(dev)] = self.draft_tokens[src[:, 0], src[:, 1]]
+            src = self._dev(feed_from)
+            input_ids[self._dev(feed_at)] = self.draft_tokens[src[:, 0], src[:, 1]]
 
         dense = [(w, r) for w, r in zip(works, first_row)
                  if w.kind != "draft" or self.spec.method == "full"]
         sparse = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft" and self.spec.method != "full"]
         wants_scores = self.spec.method == "pillar"
-        ctx = AttentionContext(self.cache.k, self.cache.v, torch.tensor(slots, dtype=torch.long).to(dev))
+        ctx = AttentionContext(self.cache.k, self.cache.v, self._dev(slots))
         if dense:
             ctx.dense = self._dense_batch([w for w, _ in dense], [r for _, r in dense],
                                           [wants_scores and (w.kind == "verify" or w.final_prefill)
                                            for w, _ in dense])
         if sparse:
             ctx.sparse = self._sparse_batch([w for w, _ in sparse], [r for _, r in sparse])
-        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long).to(dev), ctx)   # [T, hidden]
+        hidden = self.model(input_ids, self._dev(positions), ctx)   # [T, hidden]
 
         drafts = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft"]
         checks = [(w, r) for w, r in zip(works, first_row) if w.kind == "verify" or w.final_prefill]
@@ -183,13 +190,13 @@ class ModelRunner:
     def _sample_drafts(self, hidden: torch.Tensor, drafts: list[tuple[Work, int]]) -> None:
         dev = self.device
         seqs = [w.seq for w, _ in drafts]
-        logits = self.model.logits(hidden[torch.tensor([r for _, r in drafts], device=dev)])      # [Bs, V]
+        logits = self.model.logits(hidden[self._dev([r for _, r in drafts])])      # [Bs, V]
         st = verifier.SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], dev)
         probs = verifier.probs_from_logits(logits, st)
-        decided = torch.tensor([w.start + 1 for w, _ in drafts], device=dev)   # position each draft will occupy
+        decided = self._dev([w.start + 1 for w, _ in drafts])                  # position each draft will occupy
         tokens = verifier.sample(probs, st, decided, verifier.SALT_DRAFT)
-        rows = torch.tensor([s.row for s in seqs], device=dev)
-        index = torch.tensor([w.start - w.seq.num_verified for w, _ in drafts], device=dev)
+        rows = self._dev([s.row for s in seqs])
+        index = self._dev([w.start - w.seq.num_verified for w, _ in drafts])
         self.draft_tokens[rows, index] = tokens
         if not all(s.params.greedy for s in seqs):
             if self.draft_probs is None:
@@ -207,23 +214,21 @@ class ModelRunner:
         # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row.
         rows = [[r + j for j in range(m + 1)] if w.kind == "verify" else [r + w.num_tokens - 1]
                 for (w, r), m in zip(checks, num_drafts)]
-        padded = torch.tensor([rs + [rs[-1]] * (m_max + 1 - len(rs)) for rs in rows], device=dev)   # [Bv, M+1]
+        padded = self._dev([rs + [rs[-1]] * (m_max + 1 - len(rs)) for rs in rows])                 # [Bv, M+1]
         st = verifier.SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], dev)
         logits = self.model.logits(hidden[padded.flatten()])                                       # [Bv*(M+1), V]
         st_rows = st.rows(torch.arange(len(checks), device=dev).repeat_interleave(m_max + 1))
         target = verifier.probs_from_logits(logits, st_rows).view(len(checks), m_max + 1, -1)     # [Bv, M+1, V]
         draft_probs = None
         if self.spec.method == "ngram":
-            draft_tokens = torch.tensor([s.ngram_drafts[:m] + [0] * (m_max - m) for s, m in zip(seqs, num_drafts)],
-                                        dtype=torch.long).to(dev)
+            draft_tokens = self._dev([s.ngram_drafts[:m] + [0] * (m_max - m) for s, m in zip(seqs, num_drafts)])
         else:
-            buf_rows = torch.tensor([s.row for s in seqs], device=dev)
+            buf_rows = self._dev([s.row for s in seqs])
             draft_tokens = self.draft_tokens[buf_rows, :m_max].clone()                              # [Bv, M]
             if self.draft_probs is not None and not all(s.params.greedy for s in seqs):
                 draft_probs = self.draft_probs[buf_rows, :m_max]
-        first_position = torch.tensor([w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
-                                       for w, _ in checks], device=dev)
-        out = verifier.verify(target, draft_tokens, draft_probs, torch.tensor(num_drafts, device=dev), st,
-                              first_position)
+        first_position = self._dev([w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
+                                    for w, _ in checks])
+        out = verifier.verify(target, draft_tokens, draft_probs, self._dev(num_drafts), st, first_position)
         return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
                           draft_tokens, None)

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .device import to_device
+
 from .config import SamplingParams
 
 SALT_TARGET = 0
@@ -106,12 +108,12 @@ class SamplingTensors:
         greedy = [p.greedy for p in params_list]
         sampled = [p for p in params_list if not p.greedy]
         return cls(
-            temperature=torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(greedy, params_list)],
-                                     dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params_list], dtype=torch.long, device=device),
-            top_p=torch.tensor([float(p.top_p) for p in params_list], dtype=torch.float32, device=device),
-            seed=torch.tensor([(s + 2**63) % 2**64 - 2**63 for s in seeds], dtype=torch.long, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=to_device([0.0 if g else float(p.temperature) for g, p in zip(greedy, params_list)],
+                                  torch.float32, device),
+            top_k=to_device([p.top_k for p in params_list], torch.long, device),
+            top_p=to_device([float(p.top_p) for p in params_list], torch.float32, device),
+            seed=to_device([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.long, device),
+            greedy=to_device(greedy, torch.bool, device),
             use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             all_greedy=all(greedy),
         )

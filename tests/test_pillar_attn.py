@@ -226,7 +226,9 @@ def test_attend_with_context_writes_cache_and_routes_rows():
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
     mask &= q_valid[:, :, None] | (kv_pos[None, None, :] == 0)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
-    dense = DenseBatch(q_index, q_valid, kv_slots, mask, score_weight=weight,
+    valid_flat = q_valid.flatten().nonzero().flatten()           # real queries in the padded [Bd * Qmax] layout
+    valid_rows = q_index.flatten()[valid_flat]
+    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, kv_slots, mask, score_weight=weight,
                        scores=torch.full((Lyr, 2, N_KV, 5), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
@@ -289,7 +291,8 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
-    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), slots[None], (pos[None, :] <= pos[:, None])[None])
+    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, slots[None],
+                       (pos[None, :] <= pos[:, None])[None])
     ctx = AttentionContext(k_cache, v_cache, slots, dense=dense)
     with torch.inference_mode():
         logits = model.logits(model(ids, pos, ctx))
