@@ -158,12 +158,17 @@ class Scheduler:
         works = self._plan(step)
         while not self._fits(works):
             victim = self._pick_victim(works)
-            if victim is None:
+            if victim is not None:
+                if self.cache.length(victim.seq_id) > 0:
+                    self._offload(victim)
+                works = [w for w in works if w.seq is not victim]   # holding no KV yet, it simply waits a step
+            elif any(s.awaiting_result for s in self.running):
+                # Delayed verification: the others' results (and their rollbacks) are still in flight, so the
+                # latest-admitted request simply waits one step.
+                works.remove(max(works, key=lambda w: w.seq.admitted_at))
+            else:
                 raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold the step even after "
                                    f"offloading every other request")
-            if self.cache.length(victim.seq_id) > 0:
-                self._offload(victim)
-            works = [w for w in works if w.seq is not victim]   # holding no KV yet, it simply waits a step
         for w in works:  # bookkeeping that does not depend on this step's results
             new_tokens = w.start + w.num_tokens - self.cache.length(w.seq.seq_id)
             if new_tokens > 0:
