@@ -1,0 +1,84 @@
+"""End to end on the real embedded model (SmolLM2-135M-Instruct): our engine against transformers, every drafter
+against plain greedy decoding, stop strings, and the CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nano_sparsespec import LLM, SamplingParams
+from nano_sparsespec.embedded import embedded_model_dir
+
+PROMPTS = ["What is 7 times 8?",
+           "Explain step by step why the sum of two even numbers is always even.",
+           "Write a Python function that returns the n-th Fibonacci number, then explain its running time.",
+           "A farmer has 17 sheep. All but 9 run away. How many are left? Think carefully before answering, "
+           "because the wording of the question is tricky and many people get it wrong the first time."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(llm):
+    return llm.generate(PROMPTS, SamplingParams(max_new_tokens=128, ignore_eos=True))
+
+
+def test_greedy_matches_transformers_generate(llm):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), torch_dtype=torch.float32).eval()
+    ids = llm.encode(PROMPTS[1])
+    ours = llm.generate(None, SamplingParams(max_new_tokens=40, ignore_eos=True), prompt_token_ids=[ids])[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                          pad_token_id=2)[0, len(ids):].tolist()
+    assert ours.token_ids == ref
+
+
+def test_prompts_have_different_lengths(llm):
+    assert len({len(llm.encode(p)) for p in PROMPTS}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("method,stride", [("pillar", 1), ("pillar", 4), ("pillar", 8), ("streaming", 8),
+                                           ("ngram", 8), ("full", 8)])
+def test_every_drafter_is_lossless_on_the_real_model(llm, plain_outputs, method, stride):
+    spec = LLM(device="cpu", dtype="float32", method=method, stride=stride, min_budget=32)
+    outs = spec.generate(PROMPTS, SamplingParams(max_new_tokens=128, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outputs]
+    stats = spec.last_stats.summary(stride)
+    assert stats["verifications"] > 0
+    if method == "full":
+        assert stats["mean_accepted"] == stats["mean_offered"]
+
+
+def test_stop_string(llm, plain_outputs):
+    full = plain_outputs[1].text
+    stop = full[40:48]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=128, ignore_eos=True, stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[:full.index(stop)]
+
+
+def test_cli_json_end_to_end():
+    cmd = [sys.executable, "-m", "nano_sparsespec.generate", "--prompt", "Say hi.", "--prompt", "Count to five.",
+           "--max-new-tokens", "12", "--method", "pillar", "--stride", "4", "--json", "--device", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert [r["prompt"] for r in result["requests"]] == ["Say hi.", "Count to five."]
+    for r in result["requests"]:
+        assert r["error"] is None and 0 < len(r["token_ids"]) <= 12 and r["text"]
+    assert result["stats"]["output_tokens"] == sum(len(r["token_ids"]) for r in result["requests"])
+
+
+def test_cli_bad_input_is_a_clear_error():
+    cmd = [sys.executable, "-m", "nano_sparsespec.generate", "--prompt", "x", "--temperature", "-1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "temperature" in done.stderr
+    cmd = [sys.executable, "-m", "nano_sparsespec.generate", "--prompt", "x", "--model", "/nonexistent/model"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "/nonexistent/model" in done.stderr
