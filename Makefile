@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PROMPT ?= What is the sum of the first 10 odd numbers? Think step by step.
 ARGS   ?=
 
-.PHONY: setup test generate bench clean-cache
+.PHONY: setup test generate bench exercise clean-cache
 
 setup: $(VENV)/.installed
 
@@ -27,3 +27,6 @@ generate: setup
 
 clean-cache:
 	rm -rf .cache/
+
+exercise: setup
+	$(PY) -m tutorials.check $(N)

@@ -207,12 +207,11 @@ class Scheduler:
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:
-        """The most recently admitted request with no result in flight that has work this step (never the last one)."""
+        """The most recently admitted request that has work this step (never the last one). A request with work
+        has no result in flight (it would be stalled), so its KV is settled and can move."""
         if len(self.running) <= 1 or len(works) <= 1:
             return None
-        scheduled = {id(w.seq) for w in works}
-        candidates = [s for s in self.running if not s.awaiting_result and id(s) in scheduled]
-        return max(candidates, key=lambda s: s.admitted_at, default=None)
+        return max((w.seq for w in works), key=lambda s: s.admitted_at)
 
     def _offload(self, seq: Sequence) -> None:
         self.cache.offload(seq.seq_id)

@@ -1,0 +1,1 @@
+"""Reference solutions of the exercises, one file per exercise, same names and signatures."""
