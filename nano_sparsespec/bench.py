@@ -157,6 +157,13 @@ def hf_kv_positions(prompt_lens: list[int], output_lens: list[int]) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # Measuring: synchronisation, memory, peak bandwidth
 
+def model_label(path: Path) -> str:
+    """A model directory's name without the cache's hash suffix (`SmolLM2-135M-Instruct.Q4_1-7219ceb7bc91`)."""
+    name = Path(path).name
+    stem, _, tail = name.rpartition("-")
+    return stem if stem and len(tail) == 12 and all(c in "0123456789abcdef" for c in tail) else name
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -280,10 +287,12 @@ def load_workload(llm: LLM, path: str | Path, field: str, batch_size: int, chat_
 
 def default_kv_blocks(prompt_lens: list[int], max_new_tokens: int, stride: int, block_size: int,
                       fraction: float) -> int:
-    """A device pool of `fraction` of what the whole batch needs at its longest (as `LLM` sizes it unbounded), and
-    never less than one request at its longest plus a block, so every request fits alone."""
+    """The bounded pool of the offload rows: `fraction` of what the whole batch needs at its longest (what `LLM`
+    allocates unbounded), but room for every prompt plus one cycle of growth, so all requests start together and
+    offloading happens while they grow (not as a queue at admission), and for the longest request alone."""
     worst = [-(-(p + max_new_tokens + stride + 2) // block_size) for p in prompt_lens]
-    return max(math.ceil(fraction * sum(worst)), max(worst) + 1)
+    start = [-(-(p + stride + 2) // block_size) for p in prompt_lens]
+    return max(math.ceil(fraction * sum(worst)), sum(start) + 1, max(worst) + 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -310,7 +319,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
                 summary.get("acceptance_by_position"),
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
-            "peak_memory_bytes": mem.peak_bytes + bm.weight_bytes,
+            "peak_memory_bytes": mem.peak_bytes + llm.model.weight_bytes(),
             "token_ids": [o.token_ids for o in outputs]}
 
 
@@ -542,9 +551,7 @@ class StepProfiler:
         if result.verify_works:
             result.fetch()
         if select:   # what the engine does next with a verification: pick the next cycle's critical positions
-            context = torch.full((self.batch,), self.context, device=self.device)
-            budget = torch.full((self.batch,), self.budget, device=self.device)
-            pillar_attn.select_pillar(result.scores, context, budget)
+            pillar_attn.select_pillar(result.scores, [self.context] * self.batch, [self.budget] * self.batch)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         for seq in self.seqs:
@@ -615,7 +622,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
         if name == "model":
             if llm is None:
                 llm = LLM(args.model, device=str(device), dtype=dtype, gguf=args.gguf)
-            model, label, loaded = llm.model, f"model ({llm.model_path.name})", True
+            model, label, loaded = llm.model, f"model ({model_label(llm.model_path)})", True
             cfg = model.config
         elif name in QWEN3_SHAPES:
             model, label, loaded, cfg = None, name, False, qwen3_shape(name, max_context)
@@ -691,7 +698,7 @@ def rows_markdown(result: dict) -> str:
         share = None if r["roofline_share"] is None else 100 * r["roofline_share"]
         lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_plain'], '.2f')}x "
                      f"| {acc or '–'} | {r['bandwidth_gbs']:.2f} | {_fmt(share)} "
-                     f"| {r['peak_memory_bytes'] / 2**20:.0f} | {r['steps']} | {off} "
+                     f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {off} "
                      f"| {r['identical_to_plain'] or '–'} |")
     return "\n".join(lines)
 
@@ -789,6 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default bounded pool as a fraction of what the whole batch needs at its longest")
     p.add_argument("--rows", default="all", help=f"comma-separated subset of {','.join(ROWS)} (or 'all')")
     p.add_argument("--compile", action="store_true", help="torch.compile the attention kernels (our rows)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; use 1 on a CPU shared with other jobs)")
     p.add_argument("--peak-bandwidth", type=float, default=None,
                    help="roofline GB/s (default: 4300 on an H200, else a measured large copy)")
     p.add_argument("--json-out", default=None)
@@ -809,6 +818,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv: list[str]) -> int:
     run_rows = not args.profile_steps or any(a == "--rows" or a.startswith("--rows=") for a in argv)
     try:
         names = parse_rows(args.rows) if run_rows else []
@@ -850,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if llm is not None:
         bm = byte_model(llm.model, llm.dtype)
-        result["model"] = {"name": llm.model_path.name, "path": str(llm.model_path),
+        result["model"] = {"name": model_label(llm.model_path), "path": str(llm.model_path),
                            "weight_bytes": llm.model.weight_bytes(), "weight_bytes_read_per_step": bm.weight_bytes,
                            "kv_bytes_per_position": bm.kv_bytes_per_position,
                            "config": {k: v for k, v in vars(llm.model.config).items() if k != "rope_scaling"}}

@@ -10,7 +10,9 @@ Owns
         of its layer and KV head, plus every position written since the last verification).
     Both are batched over requests and heads: no Python loop over requests x layers x heads.
   * the critical-token selection policies: `select_pillar` (top-B of the verification scores; B per request from
-    `SpecConfig.budget`), `select_streaming` (StreamingLLM: sinks + most recent), used as the baseline.
+    `SpecConfig.budget`), `select_streaming` (StreamingLLM: sinks + most recent), used as the baseline. The first
+    cycle after prefill has no verification yet: its selection comes from the attention of the prompt's last token
+    in the last prefill chunk (the same score machinery, one query row instead of k + 1).
   * `compile_kernels()`: the optional torch.compile'd variant of the two attention kernels (same math).
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
