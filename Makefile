@@ -25,6 +25,9 @@ test: setup
 generate: setup
 	$(PY) -m nano_sparsespec.generate --prompt "$(PROMPT)" $(ARGS)
 
+bench: setup
+	$(PY) -m nano_sparsespec.bench $(ARGS)
+
 clean-cache:
 	rm -rf .cache/
 

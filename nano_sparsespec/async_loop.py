@@ -208,12 +208,14 @@ class Engine:
         if not refresh:
             return
         cfg, spec = self.model.config, self.spec
-        if spec.method == "pillar":
+        if spec.method in ("pillar", "pillar-lookup"):
             index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
             context = [s.num_verified for _, s in refresh]
             chosen = pillar_attn.select_pillar(result.scores[:, index], context, [spec.budget(c) for c in context])
             for (_, seq), positions in zip(refresh, chosen):
-                self.runner.set_selection(seq, positions)
+                self.runner.set_selection(seq, positions)           # in rank order: lookups displace the last ones
+                if spec.method == "pillar-lookup":
+                    self.runner.set_context_tokens(seq)
         elif spec.method == "streaming":
             for _, seq in refresh:
                 positions = pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),

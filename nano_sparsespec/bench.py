@@ -48,7 +48,7 @@ from torch import nn
 
 from . import async_loop, pillar_attn
 from .async_loop import LLM, RunStats
-from .config import ModelConfig, SamplingParams, SpecConfig
+from .config import DRAFT_METHODS, ModelConfig, SamplingParams, SpecConfig
 from .kv_cache import KVCache
 from .model import CausalLM, RotaryEmbedding
 from .runner import ModelRunner
@@ -258,7 +258,23 @@ def machine_info(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    info["git"] = git_state()
     return info
+
+
+def git_state() -> dict | None:
+    """The checkout's commit and whether the package has uncommitted changes (None outside a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "nano_sparsespec"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "package_dirty": bool(dirty)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -303,17 +319,18 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
     llm.spec = spec
     with PeakMemory(llm.device) as mem, kv_position_counter():
         synchronize(llm.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(None, params, prompt_token_ids=token_ids)
         synchronize(llm.device)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = llm.last_stats
     errors = [o.error for o in outputs if o.error]
     if errors:
         raise RuntimeError(f"a request failed: {errors[0]}")
     kv = sum(stats.kv_positions_per_step)
     summary = stats.summary(spec.stride)
-    return {"tokens": stats.output_tokens, "seconds": seconds, "engine_seconds": stats.seconds,
+    return {"tokens": stats.output_tokens, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "engine_seconds": stats.seconds,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
             "mean_accepted": summary.get("mean_accepted"), "mean_offered": summary.get("mean_offered"),
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
@@ -352,10 +369,10 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
             hf.generate(input_ids=input_ids[:2], attention_mask=mask[:2], generation_config=warm)
             torch.manual_seed(args.seed)
             synchronize(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out = hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
             synchronize(device)
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     new = out[:, width:].tolist()
     outputs = []
     for row in new:
@@ -373,7 +390,7 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens": sum(lens), "seconds": seconds, "steps": steps, "kv_positions": kv,
+    return {"tokens": sum(lens), "seconds": seconds, "cpu_seconds": cpu_seconds, "steps": steps, "kv_positions": kv,
             "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None, "verifications": 0,
             "offloads": 0, "restores": 0, "kv_blocks": None, "peak_memory_bytes": mem.peak_bytes,
             "hf_weight_bytes": weights, "token_ids": outputs}
@@ -382,25 +399,40 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
 def spec_for(name: str, args, kv_blocks: int) -> SpecConfig:
     fields = dict(ROWS[name])
     offload = fields.pop("offload", False)
+    if fields["method"] == "pillar":
+        fields["method"] = args.pillar_method
     return SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
                       max_batch=args.batch_size, prefill_chunk=args.prefill_chunk,
                       kv_blocks=kv_blocks if offload else None, **fields)
 
 
 def finish_rows(rows: list[dict], peak_gbs: float, greedy: bool) -> None:
-    """Derived columns: tokens/s, speedup over plain, achieved bandwidth, roofline share, equality with plain."""
+    """Derived columns: tokens/s, speedup over plain, achieved bandwidth, roofline share, equality with plain.
+
+    Also tokens per CPU-second of this process and the speedup in those terms: on a CPU shared with other jobs the
+    wall clock of a row depends on what else ran meanwhile, its own CPU time much less (with --threads 1)."""
     plain = next((r for r in rows if r["name"] == "plain"), None)
     for r in rows:
         r["tokens_per_second"] = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        r["tokens_per_cpu_second"] = r["tokens"] / r["cpu_seconds"] if r["cpu_seconds"] else 0.0
         r["bandwidth_gbs"] = r["bytes_read"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
         r["roofline_share"] = r["bandwidth_gbs"] / peak_gbs if peak_gbs else None
     for r in rows:
         r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"] if plain else None
+        r["speedup_vs_plain_cpu_time"] = (r["tokens_per_cpu_second"] / plain["tokens_per_cpu_second"]
+                                          if plain and plain["tokens_per_cpu_second"] else None)
         if plain and greedy:
             same = sum(a == b for a, b in zip(r["token_ids"], plain["token_ids"]))
             r["identical_to_plain"] = f"{same}/{len(plain['token_ids'])}"
+            r["mean_common_prefix"] = statistics.mean(common_prefix(a, b)
+                                                      for a, b in zip(r["token_ids"], plain["token_ids"]))
         else:
-            r["identical_to_plain"] = None
+            r["identical_to_plain"] = r["mean_common_prefix"] = None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share (where greedy outputs first diverge)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def parse_rows(text: str) -> list[str]:
@@ -685,22 +717,31 @@ def _fmt(x, spec=".1f", none="–"):
 
 def rows_markdown(result: dict) -> str:
     s = result["settings"]
+    cpu = s["device"] == "cpu"   # on a CPU, also the speedup in CPU time of this process (robust to other jobs)
     lines = [f"Rows: {result['model']['name']}, {s['device']} {s['dtype']}, batch {s['batch_size']}, "
              f"{s['max_new_tokens']} new tokens{' (ignore EOS)' if s['ignore_eos'] else ''}, temperature "
              f"{s['temperature']:g}, k = {s['stride']}; peak bandwidth {result['peak_bandwidth_gbs']:.1f} GB/s "
-             f"({result['peak_bandwidth_source']}).", "",
-             "| row | tok/s | vs plain | accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps "
-             "| offloads / restores | = plain |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal plain decoding's (and the "
+             f"mean number of leading tokens they share).", "",
+             "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
+             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | offloads / restores | = plain |",
+             "|---|---:|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         acc = None if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f} / {s['stride']}"
         off = f"{r['offloads']} / {r['restores']}" if r["kv_blocks"] else "–"
         share = None if r["roofline_share"] is None else 100 * r["roofline_share"]
-        lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_plain'], '.2f')}x "
-                     f"| {acc or '–'} | {r['bandwidth_gbs']:.2f} | {_fmt(share)} "
+        cpu_speedup = f" {_fmt(r['speedup_vs_plain_cpu_time'], '.2f')}x |" if cpu else ""
+        lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_plain'], '.2f')}x |"
+                     f"{cpu_speedup} {acc or '–'} | {r['bandwidth_gbs']:.2f} | {_fmt(share)} "
                      f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {off} "
-                     f"| {r['identical_to_plain'] or '–'} |")
+                     f"| {same_as_plain(r)} |")
     return "\n".join(lines)
+
+
+def same_as_plain(r: dict) -> str:
+    if r["identical_to_plain"] is None:
+        return "–"
+    return f"{r['identical_to_plain']} ({r['mean_common_prefix']:.0f})"
 
 
 def profile_markdown(profile: list[dict], stride: int) -> str:
@@ -790,6 +831,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-ratio", type=float, default=0.05)
     p.add_argument("--min-budget", type=int, default=128)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--pillar-method", default="pillar", choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
+                   help="drafter of the pillar-naive / +balanced / +offload / +async rows")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="device KV pool of the +offload/+async rows, in blocks (default: --kv-fraction of the need)")
     p.add_argument("--kv-fraction", type=float, default=0.6,
@@ -858,7 +901,8 @@ def _run(args, argv: list[str]) -> int:
               "settings": {"batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
                            "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
                            "stride": args.stride, "budget_ratio": args.budget_ratio, "min_budget": args.min_budget,
-                           "prefill_chunk": args.prefill_chunk, "device": str(device),
+                           "prefill_chunk": args.prefill_chunk, "pillar_method": args.pillar_method,
+                           "device": str(device),
                            "dtype": str(dtype).replace("torch.", ""), "compile": args.compile,
                            "prompts_file": args.prompts_file, "prompt_field": args.prompt_field},
               "peak_bandwidth_gbs": peak, "peak_bandwidth_source": peak_source, "measured_copy_gbs": copy_gbs,

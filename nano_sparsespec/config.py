@@ -145,7 +145,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full")
+DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full", "pillar-lookup")
 BATCH_POLICIES = ("naive", "balanced")
 
 
@@ -154,10 +154,13 @@ class SpecConfig:
     """Speculation settings shared by every request of an engine.
 
     method       plain (no drafting: k = 0), pillar (PillarAttn critical tokens), streaming (sink + recent window),
-                 ngram (prompt lookup), full (dense drafts: the oracle that accepts everything when greedy)
+                 ngram (prompt lookup), full (dense drafts: the oracle that accepts everything when greedy),
+                 pillar-lookup (PillarAttn whose selection is refreshed at every draft step by token lookup)
     stride       k, draft steps per verification
     budget_ratio, min_budget   critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * context))
     sink_tokens  sink positions kept by the streaming policy
+    lookup_matches  pillar-lookup: at each draft step the latest this-many earlier positions of the draft's input
+                 token, and the position after each, take the place of the lowest-ranked critical positions
     batch_policy naive (lock-step: all requests verify on the same step) or balanced (verifications staggered)
     async_verify delayed verification: a request that verifies at step t sits out step t+1
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
@@ -170,6 +173,7 @@ class SpecConfig:
     budget_ratio: float = 0.05
     min_budget: int = 128
     sink_tokens: int = 4
+    lookup_matches: int = 4
     ngram_max: int = 4
     ngram_min: int = 2
     batch_policy: str = "balanced"
@@ -193,6 +197,11 @@ class SpecConfig:
             raise ValueError(f"min_budget must be an integer >= 1, got {self.min_budget!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        if not isinstance(self.lookup_matches, int) or self.lookup_matches < 1:
+            raise ValueError(f"lookup_matches must be an integer >= 1, got {self.lookup_matches!r}")
+        if self.method == "pillar-lookup" and self.min_budget < 2 * self.lookup_matches:
+            raise ValueError(f"min_budget={self.min_budget} is too small for lookup_matches={self.lookup_matches}: "
+                             f"pillar-lookup needs min_budget >= 2 * lookup_matches")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         if self.batch_policy not in BATCH_POLICIES:

@@ -13,6 +13,8 @@ Owns
     `SpecConfig.budget`), `select_streaming` (StreamingLLM: sinks + most recent), used as the baseline. The first
     cycle after prefill has no verification yet: its selection comes from the attention of the prompt's last token
     in the last prefill chunk (the same score machinery, one query row instead of k + 1).
+  * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
+    positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the two attention kernels (same math).
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
@@ -88,7 +90,18 @@ def dense_attention(q, k, v, mask, score_weight=None):
 
     q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool; score_weight: [B, Q] or None
     -> out [B, Q, n_heads, D], scores [B, n_kv, L] (sum over rows of weight x probability, averaged over the group)
+
+    The output always comes from torch's fused SDPA, so plain decoding and verification compute a token's attention
+    the same way; the scores, when asked for, are a side computation with explicit probabilities.
     """
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None], enable_gqa=True)        # [B, n_heads, Q, D]
+    scores = None if score_weight is None else pillar_scores(q, k, mask, score_weight)
+    return out.transpose(1, 2), scores
+
+
+def pillar_scores(q, k, mask, score_weight):
+    """Attention probabilities summed over query rows (weighted) and averaged over each GQA group -> [B, n_kv, L]."""
     B, Q, H, D = q.shape
     n_kv = k.shape[2]
     G = H // n_kv
@@ -96,12 +109,7 @@ def dense_attention(q, k, v, mask, score_weight=None):
     logits = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * D ** -0.5             # [B, n_kv, G*Q, L]
     logits = logits.view(B, n_kv, G, Q, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = logits.softmax(dim=-1)                                                     # [B, n_kv, G, Q, L]
-    out = torch.matmul(probs.view(B, n_kv, G * Q, -1).to(v.dtype), v.transpose(1, 2))  # [B, n_kv, G*Q, D]
-    out = out.view(B, n_kv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
-    scores = None
-    if score_weight is not None:
-        scores = torch.einsum("bhgql,bq->bhl", probs, score_weight.float()) / G           # [B, n_kv, L]
-    return out, scores
+    return torch.einsum("bhgql,bq->bhl", probs, score_weight.float()) / G
 
 
 def sparse_attention(q, k, v, valid):
@@ -163,3 +171,63 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
         positions = torch.cat([torch.arange(sinks, device=device),
                                torch.arange(context_len - recent, context_len, device=device)])
     return positions.expand(num_layers, num_kv_heads, -1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Token lookup (method "pillar-lookup"): a selection made at the last verification goes stale during drafting, and
+# most of what it misses is what two kinds of heads want: duplicate-token heads attend to earlier occurrences p of the
+# current token, induction heads to the position p + 1 right after one. Both follow from the draft's input token
+# alone, so at every draft step the latest few such positions replace the lowest-ranked critical positions: the
+# positions a draft attends to change, their number (the budget) does not.
+
+def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context_len: torch.Tensor, matches: int,
+                     prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Earlier positions p holding each draft's input token, and p + 1 after each: `matches` of them per draft.
+
+    context_tokens: [B, Lc] token at each position (read only below context_len); tokens: [B] the drafts' input
+    tokens; context_len: [B] verified positions (device tensor); prev_tokens: [B] the tokens just before the drafts'
+    inputs, or None. Which p: latest first; with prev_tokens, the p whose previous token matches too (a bigram
+    match, the likelier copy source) come before all others.
+    -> positions [B, 2 * matches] ordered (p0, p0 + 1, p1, p1 + 1, ...), valid [B, 2 * matches] bool: p found,
+    p + 1 inside the verified context (later positions are in the draft's recent window anyway), and not already
+    listed earlier in the row.
+    """
+    B, Lc = context_tokens.shape
+    pos = torch.arange(Lc, device=context_tokens.device)
+    hit = (context_tokens == tokens[:, None]) & (pos[None, :] < context_len[:, None])             # [B, Lc]
+    key = torch.where(hit, pos + 1, 0)                                                             # 0: no hit
+    if prev_tokens is not None:
+        follows = F.pad(context_tokens[:, :-1] == prev_tokens[:, None], (1, 0), value=False)     # [B, Lc]
+        key = key + (hit & follows) * Lc                                   # bigram hits rank above all others
+    top = key.topk(min(matches, Lc), dim=1).values                                                 # [B, m]
+    if top.shape[1] < matches:
+        top = F.pad(top, (0, matches - top.shape[1]))
+    found = (top - 1) % Lc                                                                          # p (junk if none)
+    positions = torch.stack([found, found + 1], dim=-1).flatten(1)                                 # [B, 2m]
+    valid = torch.stack([top > 0, (top > 0) & (found + 1 < context_len[:, None])], dim=-1).flatten(1)
+    earlier = torch.ones(2 * matches, 2 * matches, dtype=torch.bool, device=pos.device).tril(-1)   # [j, i]: i < j
+    repeated = ((positions[:, :, None] == positions[:, None, :]) & valid[:, None, :] & earlier).any(-1)
+    return positions, valid & ~repeated
+
+
+def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
+                 lookup_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make room for the lookup positions inside each (layer, KV head)'s budget.
+
+    selection: [B, L, n_kv, N] critical positions in rank order (best first, as `select_pillar` returns them), the
+    first selection_len [B] of them real; lookup, lookup_valid: [B, M] from `lookup_positions`.
+    Per (layer, KV head): drop the positions the lookup already holds, then the lowest-ranked others, so that the
+    kept ones plus the valid lookups number exactly selection_len again.
+    -> kept [B, L, n_kv, N] (kept positions first, in rank order; the rest is padding), kept_len [B].
+    """
+    N = selection.shape[-1]
+    held = ((selection[..., None] == lookup[:, None, None, None, :])
+            & lookup_valid[:, None, None, None, :]).any(-1)                                        # [B, L, n_kv, N]
+    kept_len = selection_len - lookup_valid.sum(1)
+    real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]              # [B, N]
+    keep = ~held & real[:, None, None, :]
+    rank = keep.cumsum(-1)
+    keep &= rank <= kept_len[:, None, None, None]
+    target = torch.where(keep, rank - 1, N)                               # kept -> front; dropped -> a spare column
+    kept = torch.zeros(*selection.shape[:-1], N + 1, dtype=selection.dtype, device=selection.device)
+    return kept.scatter_(-1, target, selection)[..., :N], kept_len

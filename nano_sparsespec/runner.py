@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import verifier
+from . import pillar_attn, verifier
 from .config import SpecConfig
 from .kv_cache import KVCache
 from .model import CausalLM
@@ -56,6 +56,9 @@ class ModelRunner:
         self.draft_probs: torch.Tensor | None = None                                      # [rows, k, V] when sampling
         self.selection = torch.zeros(rows, self.num_layers, self.n_kv, 0, dtype=torch.long, device=self.device)
         self.selection_len = [0] * rows                                                   # valid width per row
+        # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
+        self.context_tokens = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [rows, capacity]
+        self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
 
     # --- critical positions ------------------------------------------------------------------------------------------
     def set_selection(self, seq: Sequence, positions: torch.Tensor) -> None:
@@ -68,6 +71,20 @@ class ModelRunner:
             self.selection = grown
         self.selection[seq.row, :, :, :n] = positions
         self.selection_len[seq.row] = n
+
+    def set_context_tokens(self, seq: Sequence) -> None:
+        """Mirror `seq`'s committed tokens into its row of `context_tokens`, sending only the ones not sent yet."""
+        owner, sent = self.tokens_sent[seq.row]
+        sent = sent if owner == seq.seq_id else 0
+        n = len(seq.tokens)
+        if n > self.context_tokens.shape[1]:
+            grown = torch.zeros(self.context_tokens.shape[0], max(n, 2 * self.context_tokens.shape[1]),
+                                dtype=torch.long, device=self.device)
+            grown[:, :self.context_tokens.shape[1]] = self.context_tokens
+            self.context_tokens = grown
+        if n > sent:
+            self.context_tokens[seq.row, sent:n] = self._dev(seq.tokens[sent:n])
+        self.tokens_sent[seq.row] = (seq.seq_id, n)
 
     # --- building the step -------------------------------------------------------------------------------------------
     def _dev(self, data, dtype=torch.long) -> torch.Tensor:
@@ -112,24 +129,45 @@ class ModelRunner:
             batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, ctx_max, device=self.device)
         return batch
 
-    def _sparse_batch(self, drafts: list[Work], row_of: list[int]) -> SparseBatch:
+    def _sparse_batch(self, drafts: list[Work], row_of: list[int], input_ids: torch.Tensor) -> SparseBatch:
         seqs = [w.seq for w in drafts]
         windows = [w.start - w.seq.num_verified + 1 for w in drafts]   # positions written since the verification
         sel_max, win_max = max(self.selection_len[s.row] for s in seqs), max(windows)
         n_sel = self._dev([self.selection_len[s.row] for s in seqs])                    # [Bs]
         n_win = self._dev(windows)                                                      # [Bs]
         tables = self._block_tables(seqs)
-        sel_pos = self.selection[self._dev([s.row for s in seqs]), :, :, :sel_max]     # [Bs, L, n_kv, Nsel]
-        win_pos = self._dev([s.num_verified for s in seqs])[:, None] \
-            + torch.arange(win_max, device=self.device)                                 # [Bs, W]
+        rows, verified = self._dev([s.row for s in seqs]), self._dev([s.num_verified for s in seqs])   # [Bs]
+        sel_pos = self.selection[rows, :, :, :sel_max]                                  # [Bs, L, n_kv, Nsel]
+        sel_valid = torch.arange(sel_max, device=self.device)[None] < n_sel[:, None]   # [Bs, Nsel]
+        if self.spec.method == "pillar-lookup":
+            # Refreshed at every draft step: positions found from this draft's input token replace the lowest-ranked
+            # critical positions of each (layer, KV head); the count stays the budget.
+            lookup, lookup_valid = self._lookups(drafts, rows, verified, input_ids[self._dev(row_of)])  # [Bs, M]
+            sel_pos, kept = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)
+            sel_pos = torch.cat([sel_pos, lookup[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)], -1)
+            sel_valid = torch.cat([sel_valid & (torch.arange(sel_max, device=self.device)[None] < kept[:, None]),
+                                   lookup_valid], dim=1)
+        win_pos = verified[:, None] + torch.arange(win_max, device=self.device)         # [Bs, W]
         sel_slots = self._slots(tables, sel_pos)                                        # [Bs, L, n_kv, Nsel]
         win_slots = self._slots(tables, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
         slots = torch.cat([sel_slots, win_slots], dim=-1)                               # [Bs, L, n_kv, S]
         heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
         kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()         # [L, Bs, n_kv, S]
-        valid = torch.cat([torch.arange(sel_max, device=self.device)[None] < n_sel[:, None],
-                           torch.arange(win_max, device=self.device)[None] < n_win[:, None]], dim=1)
+        valid = torch.cat([sel_valid, torch.arange(win_max, device=self.device)[None] < n_win[:, None]], dim=1)
         return SparseBatch(self._dev(row_of), kv_index, valid)
+
+    def _lookups(self, drafts: list[Work], rows: torch.Tensor, verified: torch.Tensor, tokens: torch.Tensor):
+        """pillar-lookup: the positions each draft's input token `tokens` [Bs] finds in its verified context."""
+        seqs = [w.seq for w in drafts]
+        # The token before each input: committed (mirrored in context_tokens, the pending one included) or one of
+        # this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
+        prev = [w.start - 1 for w in drafts]
+        committed = self.context_tokens[rows, self._dev([min(p, s.num_verified) for p, s in zip(prev, seqs)])]
+        drafted = self.draft_tokens[rows, self._dev([max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)])]
+        in_context = self._dev([p <= s.num_verified for p, s in zip(prev, seqs)], torch.bool)
+        context_tokens = self.context_tokens[rows, :max(s.num_verified for s in seqs)]              # [Bs, Lc]
+        return pillar_attn.lookup_positions(context_tokens, tokens, verified, self.spec.lookup_matches,
+                                            torch.where(in_context, committed, drafted))
 
     # --- one step ----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -166,14 +204,14 @@ class ModelRunner:
         dense = [(w, r) for w, r in zip(works, first_row)
                  if w.kind != "draft" or self.spec.method == "full"]
         sparse = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft" and self.spec.method != "full"]
-        wants_scores = self.spec.method == "pillar"
+        wants_scores = self.spec.method in ("pillar", "pillar-lookup")
         ctx = AttentionContext(self.cache.k, self.cache.v, self._dev(slots))
         if dense:
             ctx.dense = self._dense_batch([w for w, _ in dense], [r for _, r in dense],
                                           [wants_scores and (w.kind == "verify" or w.final_prefill)
                                            for w, _ in dense])
         if sparse:
-            ctx.sparse = self._sparse_batch([w for w, _ in sparse], [r for _, r in sparse])
+            ctx.sparse = self._sparse_batch([w for w, _ in sparse], [r for _, r in sparse], input_ids)
         hidden = self.model(input_ids, self._dev(positions), ctx)   # [T, hidden]
 
         drafts = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft"]

@@ -1,0 +1,148 @@
+"""The benchmark CLI on a tiny random Qwen3 (no tokenizer: prompts become code points): every row runs and reports
+sane values, greedy rows of ours equal plain decoding, the byte model matches hand-computed cases, and the step
+profile runs on tiny shapes (including a random-weight model built from a config)."""
+import json
+
+import pytest
+import torch
+
+from nano_sparsespec import bench
+from nano_sparsespec.config import SamplingParams
+from nano_sparsespec.scheduler import Sequence, Work
+
+BATCH, TOKENS, K = 2, 16, 4
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "w.jsonl"
+    path.write_text("\n".join(json.dumps({"question": "x" * n, "prompt": "unused"}) for n in (10, 23)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows_result(tiny_qwen3, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
+            "--batch-size", str(BATCH), "--max-new-tokens", str(TOKENS), "--ignore-eos", "--stride", str(K),
+            "--min-budget", "8", "--device", "cpu", "--threads", "1",
+            "--json-out", str(out / "b.json"), "--md-out", str(out / "b.md"), "--plot-out", str(out / "b.png")]
+    assert bench.main(argv) == 0
+    return json.loads((out / "b.json").read_text()), out
+
+
+def test_every_row_is_measured_with_sane_values(rows_result):
+    result, _ = rows_result
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == list(bench.ROWS)
+    for name, r in rows.items():
+        assert r["tokens"] == BATCH * TOKENS, name
+        assert r["seconds"] > 0 and r["tokens_per_second"] > 0, name
+        assert r["cpu_seconds"] > 0 and r["speedup_vs_plain_cpu_time"] > 0, name
+        assert r["bandwidth_gbs"] > 0 and 0 < r["roofline_share"], name
+        assert r["bandwidth_gbs"] == pytest.approx(r["bytes_read"] / r["seconds"] / 1e9)
+        assert r["speedup_vs_plain"] == pytest.approx(r["tokens_per_second"] / rows["plain"]["tokens_per_second"])
+        assert r["peak_memory_bytes"] >= 0 and r["steps"] >= 1
+        assert "token_ids" not in r                       # the JSON keeps figures, not outputs
+    assert rows["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    assert rows["plain"]["speedup_vs_plain_cpu_time"] == pytest.approx(1.0)
+    for name in ("hf", "plain"):
+        assert rows[name]["mean_accepted"] is None
+    for name in ("ngram", "streaming", "pillar-naive", "+balanced", "+offload", "+async"):
+        assert 0 <= rows[name]["mean_accepted"] <= K, name
+    for name in ("streaming", "pillar-naive", "+balanced", "+offload", "+async"):
+        assert rows[name]["steps"] > rows[name]["verifications"] > 0, name   # drafts cost model steps
+    # Greedy speculation is lossless: every row of ours writes plain decoding's tokens.
+    for name in bench.ROWS:
+        if name != "hf":
+            assert rows[name]["identical_to_plain"] == f"{BATCH}/{BATCH}", name
+            assert rows[name]["mean_common_prefix"] == TOKENS, name
+    # The bounded pool really spills requests to the host and brings them back.
+    pool = result["settings"]["kv_blocks_offload"]
+    for name in ("+offload", "+async"):
+        assert rows[name]["kv_blocks"] == pool
+        assert rows[name]["offloads"] > 0 and rows[name]["restores"] == rows[name]["offloads"], name
+    assert rows["+balanced"]["kv_blocks"] is None and rows["+balanced"]["offloads"] == 0
+
+
+def test_prompt_field_and_outputs(rows_result):
+    result, out = rows_result
+    assert result["settings"]["prompt_tokens"] == [10, 23]         # "question" field, code points (no tokenizer)
+    assert result["settings"]["kv_blocks_offload"] == bench.default_kv_blocks([10, 23], TOKENS, K, 16, 0.6)
+    md = (out / "b.md").read_text()
+    assert "| +async |" in md and "| hf |" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plain_and_hf_read_the_same_kv(rows_result):
+    # Both do one prefill step then one decode step per token: the same (request, position) pairs.
+    rows = {r["name"]: r for r in rows_result[0]["rows"]}
+    assert rows["plain"]["kv_positions"] == rows["hf"]["kv_positions"] == bench.hf_kv_positions([10, 23],
+                                                                                                [TOKENS, TOKENS])
+    assert rows["plain"]["steps"] == rows["hf"]["steps"] == TOKENS
+
+
+def test_byte_model_by_hand(tiny_qwen3):
+    from nano_sparsespec.model import load_model
+
+    model = load_model(tiny_qwen3[0])        # untied: hidden 64, 2 layers, 2 KV heads of 16, vocab 256, float32
+    params = sum(p.numel() for p in model.parameters())
+    bm = bench.byte_model(model, torch.float32)
+    assert bm.weight_bytes == 4 * (params - 256 * 64)                 # the embedding table is only looked up
+    assert bm.kv_bytes_per_position == 2 * 2 * 2 * 16 * 4             # K and V x layers x KV heads x dim x fp32
+    assert bench.byte_model(model, torch.bfloat16).kv_bytes_per_position == 256
+
+    seq = Sequence(0, list(range(10)), SamplingParams(), seed=0)
+    seq.tokens += [1, 2, 3]                                           # num_verified = 12
+    seq.row = 3
+    selection_len = [0, 0, 0, 8]
+    works = [Work(seq, "prefill", 0, 10),                             # context 10
+             Work(seq, "verify", 12, 5),                              # context 12 + 5 = 17
+             Work(seq, "draft", 14, 1)]                               # 8 selected + window 12..14 = 11
+    assert bench.kv_positions_read(works, selection_len, "pillar") == 10 + 17 + 11
+    assert bench.kv_positions_read(works[2:], selection_len, "full") == 15   # dense drafts read the context
+    assert bench.hf_kv_positions([3, 5], [4, 1]) == (3 + 4 + 5 + 6) + 5
+    assert bm.run_bytes(steps=3, kv_positions=38) == 3 * bm.weight_bytes + 38 * 512
+    assert bench.common_prefix([1, 2, 3, 4], [1, 2, 5, 4]) == 2 and bench.common_prefix([1, 2], [1, 2, 3]) == 2
+    assert bench.speedup_model(plain=1.0, draft=0.5, verify=2.0, k=4, accepted=3.0) == pytest.approx(1.0)
+    assert bench.speedup_model(plain=1.0, draft=0.25, verify=1.0, k=4, accepted=3.0) == pytest.approx(2.0)
+
+
+def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys):
+    # A random-weight model built from a config (as for the Qwen3-1.7B / 8B shapes), shrunk to test size.
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+                                                               num_kv_heads=2, head_dim=16, intermediate_size=128,
+                                                               vocab_size=300, tie_word_embeddings=True))
+    out = tmp_path / "p.json"
+    argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48,1x600",
+            "--profile-models", "model,qwen3-tiny", "--stride", str(K), "--min-budget", "8", "--profile-reps", "1",
+            "--profile-accepted", "1,3", "--device", "cpu", "--threads", "1", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["rows"] == []                                       # --profile-steps alone: no rows
+    entries = {(e["model"].split(" ")[0], e["context"]): e for e in result["profile"]}
+    assert "exceeds" in entries[("model", 600)]["skipped"]            # tiny checkpoint: 512 positions
+    assert set(entries) == {("model", 48), ("model", 600), ("qwen3-tiny", 48), ("qwen3-tiny", 600)}
+    for name in ("model", "qwen3-tiny"):
+        e = entries[(name, 48)]
+        assert e["budget"] == 8
+        for kind in ("plain", "draft", "verify"):
+            assert e[kind]["ms"] > 0 and e[kind]["gbs"] > 0
+        bm_kv = e["plain"]["bytes"] - e["draft"]["bytes"]
+        assert bm_kv == 2 * (48 - 8) * 2 * 2 * 2 * 16 * 4             # batch x (context - budget) x KV bytes
+        assert e["verify"]["bytes"] > e["plain"]["bytes"] > e["draft"]["bytes"]
+        assert set(e["speedup_at_accepted"]) == {"1", "3"}
+        assert e["speedup_at_accepted"]["3"] > e["speedup_at_accepted"]["1"] > 0
+        assert e["plain_breakdown_ms"]["total"] > 0
+    assert "Step profile" in capsys.readouterr().out
+
+
+def test_bad_arguments(tiny_qwen3, capsys):
+    assert bench.main(["--model", str(tiny_qwen3[0]), "--rows", "plain,nonsense"]) == 2
+    assert "unknown row 'nonsense'" in capsys.readouterr().err
+    assert bench.main(["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "8by1024"]) == 2
+    assert "bad profile shape '8by1024'" in capsys.readouterr().err

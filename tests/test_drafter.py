@@ -1,0 +1,156 @@
+"""The `pillar-lookup` drafter: its token-lookup selection against explicit references, and greedy equality with
+plain decoding on a tiny random Qwen3 across strides, batch policies, delayed verification and offload."""
+import itertools
+
+import pytest
+import torch
+
+from nano_sparsespec import LLM, SamplingParams
+from nano_sparsespec.config import SpecConfig
+from nano_sparsespec.pillar_attn import lookup_positions, merge_lookup, select_pillar
+
+PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the selection functions against explicit references
+
+def lookup_reference(tokens: list[int], token: int, context_len: int, matches: int, prev: int | None) -> list[int]:
+    """p < context_len with tokens[p] == token: bigram matches (tokens[p - 1] == prev) first, each group latest
+    first; the first `matches` of them give p and p + 1 (if < context_len), each position listed once."""
+    hits = [p for p in range(context_len - 1, -1, -1) if tokens[p] == token]
+    bigram = [p for p in hits if prev is not None and p > 0 and tokens[p - 1] == prev]
+    found = (bigram + [p for p in hits if p not in bigram])[:matches]
+    out = []
+    for p in found:
+        for q in (p, p + 1):
+            if q < context_len and q not in out:
+                out.append(q)
+    return out
+
+
+@pytest.mark.parametrize("with_prev", [False, True])
+def test_lookup_positions_matches_reference(with_prev):
+    g = torch.Generator().manual_seed(0)
+    B, Lc, m = 64, 30, 3
+    context = torch.randint(0, 4, (B, Lc), generator=g)            # a small vocabulary: many repeats, runs "x x"
+    tokens = torch.randint(0, 5, (B,), generator=g)               # token 4 never occurs: nothing found
+    prev = torch.randint(0, 4, (B,), generator=g) if with_prev else None
+    lens = torch.randint(1, Lc + 1, (B,), generator=g)
+    positions, valid = lookup_positions(context, tokens, lens, m, prev)
+    assert positions.shape == valid.shape == (B, 2 * m)
+    for b in range(B):
+        got = positions[b][valid[b]].tolist()
+        ref = lookup_reference(context[b].tolist(), int(tokens[b]), int(lens[b]), m,
+                               None if prev is None else int(prev[b]))
+        assert got == ref, b
+
+
+def test_lookup_positions_layout_and_edges():
+    context = torch.tensor([[7, 7, 3, 7, 9, 9]])
+    positions, valid = lookup_positions(context, torch.tensor([7]), torch.tensor([4]), 3)   # position 4+ not verified
+    # latest first: p=3 (p+1=4 is the unverified window), p=1 (p+1=2), p=0 (p+1=1 already listed)
+    assert positions.tolist() == [[3, 4, 1, 2, 0, 1]]
+    assert valid.tolist() == [[True, False, True, True, True, False]]
+    positions, valid = lookup_positions(context, torch.tensor([9]), torch.tensor([6]), 4)    # fewer hits than matches
+    assert positions[valid].tolist() == [5, 4]
+    positions, valid = lookup_positions(context[:, :2], torch.tensor([7]), torch.tensor([2]), 5)   # matches > Lc
+    assert positions.shape == (1, 10) and positions[valid].tolist() == [1, 0]
+    # with the previous token: 7 after 3 (position 3) is the bigram match, listed before the later-found others
+    positions, valid = lookup_positions(torch.tensor([[7, 3, 7, 5, 7, 9]]), torch.tensor([7]), torch.tensor([6]), 2,
+                                        torch.tensor([3]))
+    assert positions[valid].tolist() == [2, 3, 4, 5]
+
+
+def merge_reference(selection: list[int], lookup: list[int]) -> list[int]:
+    """Drop what the lookup holds, then keep the best-ranked rest so that kept + lookup = len(selection)."""
+    rest = [p for p in selection if p not in lookup]
+    return rest[:len(selection) - len(lookup)]
+
+
+def test_merge_lookup_matches_reference():
+    g = torch.Generator().manual_seed(1)
+    B, L, n_kv, N, ctx = 16, 3, 2, 10, 24
+    selection = torch.stack([torch.stack([torch.stack([torch.randperm(ctx, generator=g)[:N] for _ in range(n_kv)])
+                                          for _ in range(L)]) for _ in range(B)])        # distinct positions, ranked
+    sel_len = torch.randint(6, N + 1, (B,), generator=g)
+    lookup = torch.stack([torch.randperm(ctx, generator=g)[:6] for _ in range(B)])
+    lookup_valid = torch.rand(B, 6, generator=g) < 0.7
+    kept, kept_len = merge_lookup(selection, sel_len, lookup, lookup_valid)
+    for b in range(B):
+        look = lookup[b][lookup_valid[b]].tolist()
+        assert int(kept_len[b]) == int(sel_len[b]) - len(look)
+        for l, h in itertools.product(range(L), range(n_kv)):
+            ref = merge_reference(selection[b, l, h, :int(sel_len[b])].tolist(), look)
+            assert kept[b, l, h, :int(kept_len[b])].tolist() == ref
+            # the budget holds and nothing is attended twice
+            union = kept[b, l, h, :int(kept_len[b])].tolist() + look
+            assert len(union) == len(set(union)) == int(sel_len[b])
+
+
+def test_merge_lookup_keeps_a_small_context_whole():
+    """Context shorter than the budget: the selection is every position; lookups are all among them, none is lost."""
+    ctx = 6
+    selection = select_pillar(torch.rand(1, 1, 1, ctx), [ctx], [16])[0][None]           # [1, L, n_kv, 6]
+    lookup, valid = lookup_positions(torch.tensor([[1, 2, 1, 3, 1, 2]]), torch.tensor([1]), torch.tensor([ctx]), 2)
+    kept, kept_len = merge_lookup(selection, torch.tensor([ctx]), lookup, valid)
+    union = kept[0, 0, 0, :int(kept_len[0])].tolist() + lookup[valid].tolist()
+    assert sorted(union) == list(range(ctx))
+
+
+def test_spec_rejects_budget_below_lookups():
+    with pytest.raises(ValueError, match="lookup_matches"):
+        SpecConfig(method="pillar-lookup", min_budget=6, lookup_matches=4)
+    with pytest.raises(ValueError, match="lookup_matches"):
+        SpecConfig(method="pillar-lookup", lookup_matches=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# losslessness end to end
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_qwen3, prompts):
+    llm = LLM(str(tiny_qwen3[0]), method="plain")
+    return [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
+
+
+def run(path, prompts, **spec):
+    llm = LLM(str(path), **spec)
+    return llm, llm.generate(None, GREEDY, prompt_token_ids=prompts)
+
+
+@pytest.mark.parametrize("stride", [1, 4, 8])
+def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
+    _, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=stride, min_budget=8, budget_ratio=0.1,
+                  lookup_matches=2)
+    assert [o.token_ids for o in outs] == plain_greedy
+
+
+@pytest.mark.parametrize("policy,async_verify,kv_blocks", [("naive", False, 12), ("naive", True, 12),
+                                                           ("balanced", False, 12), ("balanced", True, 12),
+                                                           ("balanced", True, None)])
+def test_greedy_is_lossless(tiny_qwen3, prompts, plain_greedy, policy, async_verify, kv_blocks):
+    # max_batch 5 < 8 prompts: rows are reused by later requests (their device token mirror must restart);
+    # kv_blocks=12 forces whole requests to the host pool and back.
+    llm, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=4, min_budget=8, budget_ratio=0.1,
+                    batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, max_batch=5,
+                    prefill_chunk=32)
+    assert [o.token_ids for o in outs] == plain_greedy
+    if kv_blocks is not None:
+        assert llm.last_stats.offloads > 0 and llm.last_stats.restores == llm.last_stats.offloads
+
+
+def test_lookup_changes_what_drafts_attend_to(tiny_qwen3, prompts):
+    """Same budget, same verification scores: the per-step lookup must change some drafts (else it is not wired in)."""
+    counts = {}
+    for method in ("pillar", "pillar-lookup"):
+        llm, _ = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=8, budget_ratio=0.01)
+        counts[method] = llm.last_stats.accepted_counts
+    assert counts["pillar"] != counts["pillar-lookup"]
