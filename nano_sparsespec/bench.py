@@ -329,7 +329,11 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
         raise RuntimeError(f"a request failed: {errors[0]}")
     kv = sum(stats.kv_positions_per_step)
     summary = stats.summary(spec.stride)
-    return {"tokens": stats.output_tokens, "seconds": seconds, "cpu_seconds": cpu_seconds,
+    # Recording CUDA graphs is a start-up cost (a server records its graphs once, before taking requests): it is
+    # taken out of `seconds` and reported on its own, with the wall time that includes it.
+    recording = stats.graph_record_seconds
+    return {"tokens": stats.output_tokens, "seconds": seconds - recording, "cpu_seconds": cpu_seconds - recording,
+            "wall_seconds": seconds, "graphs_recorded": stats.graphs_recorded, "graph_record_seconds": recording,
             "engine_seconds": stats.seconds,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
             "mean_accepted": summary.get("mean_accepted"), "mean_offered": summary.get("mean_offered"),
@@ -543,7 +547,8 @@ class StepProfiler:
     positions, run through the engine's `ModelRunner` (the kernels and host work a real step uses)."""
 
     def __init__(self, model: CausalLM, batch: int, context: int, stride: int, device: torch.device,
-                 dtype: torch.dtype, budget_ratio: float, min_budget: int, temperature: float, seed: int = 0):
+                 dtype: torch.dtype, budget_ratio: float, min_budget: int, temperature: float, seed: int = 0,
+                 cuda_graphs: bool = False):
         cfg = model.config
         self.model, self.batch, self.context, self.k, self.device = model, batch, context, stride, device
         common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget, max_batch=batch)
@@ -565,8 +570,8 @@ class StepProfiler:
             self.cache.append(b, context)
             self.seqs.append(seq)
         self.budget = min(self.spec.budget(context), context)
-        self.plain_runner = ModelRunner(model, self.cache, self.plain_spec)
-        self.runner = ModelRunner(model, self.cache, self.spec)
+        self.plain_runner = ModelRunner(model, self.cache, self.plain_spec, cuda_graphs)
+        self.runner = ModelRunner(model, self.cache, self.spec, cuda_graphs)
         for seq in self.seqs:   # critical positions: `budget` distinct random positions per (layer, KV head)
             chosen = torch.rand(cfg.num_layers, cfg.num_kv_heads, context, generator=g, device=device)
             self.runner.set_selection(seq, chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values)
@@ -682,7 +687,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                 model, built = random_model(cfg, device, dtype, args.seed), True
             print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
             prof = StepProfiler(model, batch, context, args.stride, device, dtype, args.budget_ratio,
-                                args.min_budget, args.temperature, args.seed)
+                                args.min_budget, args.temperature, args.seed, args.cuda_graphs)
             times = prof.measure(args.profile_reps)
             nbytes = prof.step_bytes()
             entry["budget"] = prof.budget
@@ -694,7 +699,8 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             entry["speedup_at_accepted"] = {f"{a:g}": round(speedup_model(times["plain"], times["draft"],
                                                                           times["verify"], args.stride, a), 3)
                                             for a in accepted}
-            entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
+            if not args.cuda_graphs:   # a replayed graph runs no Python per module: nothing to split
+                entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
             results.append(entry)
             del prof
             gc.collect()
@@ -718,14 +724,17 @@ def _fmt(x, spec=".1f", none="–"):
 def rows_markdown(result: dict) -> str:
     s = result["settings"]
     cpu = s["device"] == "cpu"   # on a CPU, also the speedup in CPU time of this process (robust to other jobs)
+    graphs = s.get("cuda_graphs", False)
     lines = [f"Rows: {result['model']['name']}, {s['device']} {s['dtype']}, batch {s['batch_size']}, "
              f"{s['max_new_tokens']} new tokens{' (ignore EOS)' if s['ignore_eos'] else ''}, temperature "
              f"{s['temperature']:g}, k = {s['stride']}; peak bandwidth {result['peak_bandwidth_gbs']:.1f} GB/s "
              f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal plain decoding's (and the "
              f"mean number of leading tokens they share).", "",
              "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
-             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | offloads / restores | = plain |",
-             "|---|---:|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|---:|---:|"]
+             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | offloads / restores | = plain |" +
+             (" graphs (record s) |" if graphs else ""),
+             "|---|---:|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|---:|---:|" +
+             ("---:|" if graphs else "")]
     for r in result["rows"]:
         acc = None if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f} / {s['stride']}"
         off = f"{r['offloads']} / {r['restores']}" if r["kv_blocks"] else "–"
@@ -734,7 +743,11 @@ def rows_markdown(result: dict) -> str:
         lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_plain'], '.2f')}x |"
                      f"{cpu_speedup} {acc or '–'} | {r['bandwidth_gbs']:.2f} | {_fmt(share)} "
                      f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {off} "
-                     f"| {same_as_plain(r)} |")
+                     f"| {same_as_plain(r)} |" +
+                     (f" {r.get('graphs_recorded', '–')} ({r.get('graph_record_seconds', 0):.1f}) |" if graphs else ""))
+    if graphs:
+        lines += ["", "With CUDA graphs, tok/s leaves out the one-time recording of each bucket's graph (last column: "
+                      "graphs recorded and seconds spent, as a server spends them once at start)."]
     return "\n".join(lines)
 
 
@@ -838,7 +851,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-fraction", type=float, default=0.6,
                    help="default bounded pool as a fraction of what the whole batch needs at its longest")
     p.add_argument("--rows", default="all", help=f"comma-separated subset of {','.join(ROWS)} (or 'all')")
-    p.add_argument("--compile", action="store_true", help="torch.compile the attention kernels (our rows)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the attention kernels and fuse the elementwise ops (our rows)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="our rows and the step profile replay decode steps as CUDA graphs (cuda_graphs.py)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; use 1 on a CPU shared with other jobs)")
     p.add_argument("--peak-bandwidth", type=float, default=None,
@@ -884,7 +900,8 @@ def _run(args, argv: list[str]) -> int:
         params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                  ignore_eos=args.ignore_eos, seed=args.seed + i) for i in range(args.batch_size)]
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget)  # validate early
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile, gguf=args.gguf) \
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
+                  cuda_graphs=args.cuda_graphs, gguf=args.gguf) \
             if run_rows or "model" in args.profile_models.split(",") else None
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -903,7 +920,7 @@ def _run(args, argv: list[str]) -> int:
                            "stride": args.stride, "budget_ratio": args.budget_ratio, "min_budget": args.min_budget,
                            "prefill_chunk": args.prefill_chunk, "pillar_method": args.pillar_method,
                            "device": str(device),
-                           "dtype": str(dtype).replace("torch.", ""), "compile": args.compile,
+                           "dtype": str(dtype).replace("torch.", ""), "compile": args.compile, "cuda_graphs": args.cuda_graphs,
                            "prompts_file": args.prompts_file, "prompt_field": args.prompt_field},
               "peak_bandwidth_gbs": peak, "peak_bandwidth_source": peak_source, "measured_copy_gbs": copy_gbs,
               "kv_counter": "RunStats.kv_positions_per_step" if HAS_KV_COUNTER else "bench.kv_position_counter",

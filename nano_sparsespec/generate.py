@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delayed verification")
     p.add_argument("--kv-blocks", type=int, default=None, help="device KV pool size in blocks (small: offload)")
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--compile", action="store_true", help="torch.compile the attention kernels")
+    p.add_argument("--compile", action="store_true", help="torch.compile the attention kernels and fuse elementwise ops")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps as CUDA graphs (the fast GPU path; on a CPU: padded steps, no gain)")
     p.add_argument("--show-drafts", action="store_true", help="colour accepted drafts and corrected tokens")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     return p
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = SpecConfig(method=args.method, stride=args.stride, budget_ratio=args.budget_ratio,
                           min_budget=args.min_budget, batch_policy=args.batch_policy, async_verify=args.async_verify,
                           kv_blocks=args.kv_blocks, max_batch=args.max_batch)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile, gguf=args.gguf,
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs, gguf=args.gguf,
                   **vars(spec))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,6 +26,46 @@ from . import pillar_attn
 from .config import ModelConfig
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The elementwise pieces of a layer, as plain functions. Eagerly each is several small kernels (RMSNorm alone is
+# eight); at decode batch sizes a step is mostly such kernels, so `compile_elementwise()` swaps in torch.compile'd
+# versions that fuse each into one or two. Same math; the eager versions are the reference.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (the HF Llama/Qwen3 order)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim/2] -> x rotated (rotate-half convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 * inter] (gate | up) -> silu(gate) * up: [T, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_ops = {"rms_norm": rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
+_eager_ops = dict(_ops)
+
+
+def compile_elementwise() -> None:
+    """Swap in torch.compile'd (fused) versions of the elementwise pieces (dynamic shapes; float tolerance)."""
+    for name, fn in _eager_ops.items():
+        _ops[name] = torch.compile(fn, dynamic=True)
+
+
+def use_eager_elementwise() -> None:
+    _ops.update(_eager_ops)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -33,10 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _ops["rms_norm"](x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -70,13 +107,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, n_heads, head_dim]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1)                               # [T, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim/2]: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -91,7 +124,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, positions, rope: RotaryEmbedding, ctx) -> torch.Tensor:
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)                           # [T, n_heads, head_dim]
@@ -99,7 +132,7 @@ class Attention(nn.Module):
         v = v.view(T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = _ops["apply_rope"](q, *rope), _ops["apply_rope"](k, *rope)
         out = pillar_attn.attend(self.layer_idx, q, k, v, ctx)               # [T, n_heads, head_dim]
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -107,13 +140,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows: gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_ops["silu_mul"](self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -124,8 +155,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+    def forward(self, x, rope, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -144,8 +175,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx=None) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rope(positions)                                          # cos, sin: [T, 1, head_dim/2]
         for layer in self.layers:
-            x = layer(x, positions, self.rope, ctx)
+            x = layer(x, rope, ctx)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ class DenseBatch:
     q_valid: torch.Tensor        # [Bd, Qmax]  bool  real query (False: padding)
     valid_flat: torch.Tensor     # [Nq]              real queries' flat index into [Bd * Qmax]
     valid_rows: torch.Tensor     # [Nq]              ... and their rows in the step (indices, not a mask: no host sync)
-    kv_slots: torch.Tensor       # [Bd, Lmax]        pool slot of each context position (padding: any valid slot)
+    kv_index: torch.Tensor       # [Bd, n_kv, Lmax]  flat index slot * n_kv + kv_head of each context position into
+                                 #                   the pool viewed [slots * n_kv, D] (padding: any valid slot)
     mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by attend() when score_weight is set
@@ -68,11 +69,15 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         return out.transpose(0, 1)
     ctx.k_cache[layer][ctx.slot_mapping] = k
     ctx.v_cache[layer][ctx.slot_mapping] = v
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)   # zeros, not empty: a padded step (cuda_graphs.py) has rows no batch writes
     if ctx.dense is not None:
         d = ctx.dense
-        dense_out, scores = _kernels["dense"](q[d.q_index], ctx.k_cache[layer][d.kv_slots],
-                                              ctx.v_cache[layer][d.kv_slots], d.mask, d.score_weight)
+        # Gathered head-major ([Bd, n_kv, Lmax, D], passed as a [Bd, Lmax, n_kv, D] view): the layout SDPA and the
+        # score matmul read without another copy.
+        head_dim = q.shape[-1]
+        keys = ctx.k_cache[layer].view(-1, head_dim)[d.kv_index].transpose(1, 2)
+        values = ctx.v_cache[layer].view(-1, head_dim)[d.kv_index].transpose(1, 2)
+        dense_out, scores = _kernels["dense"](q[d.q_index], keys, values, d.mask, d.score_weight)
         out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
         if scores is not None:
             d.scores[layer] = scores

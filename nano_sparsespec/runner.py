@@ -23,6 +23,7 @@ from .config import SpecConfig
 from .kv_cache import KVCache
 from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
+from .cuda_graphs import StepGraphs
 from .device import to_device
 from .scheduler import Sequence, Work
 
@@ -46,8 +47,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig):
+    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig, cuda_graphs: bool = False):
         self.model, self.cache, self.spec = model, cache, spec
+        self.graphs = StepGraphs(model, cache) if cuda_graphs else None     # padded static steps (CUDA: graphs)
         cfg = model.config
         self.device = cache.device
         self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
@@ -117,8 +119,10 @@ class ModelRunner:
         q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
         mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
         mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
-        kv_slots = self._slots(self._block_tables([w.seq for w in dense]), kv_pos.contiguous())
-        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, kv_slots, mask)
+        kv_slots = self._slots(self._block_tables([w.seq for w in dense]), kv_pos.contiguous())     # [Bd, Lmax]
+        heads = torch.arange(self.n_kv, device=self.device)[None, :, None]
+        kv_index = kv_slots[:, None, :] * self.n_kv + heads                                      # [Bd, n_kv, Lmax]
+        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, kv_index, mask)
         if any(with_scores):
             # Verification rows all count; after a last prefill chunk only its last row does.
             last = (q_lens - 1)[:, None]
@@ -212,7 +216,9 @@ class ModelRunner:
                                            for w, _ in dense])
         if sparse:
             ctx.sparse = self._sparse_batch([w for w, _ in sparse], [r for _, r in sparse], input_ids)
-        hidden = self.model(input_ids, self._dev(positions), ctx)   # [T, hidden]
+        static = self.graphs is not None and all(w.kind != "prefill" for w in works)
+        forward = self.graphs.forward if static else self.model
+        hidden = forward(input_ids, self._dev(positions), ctx)       # [T, hidden]
 
         drafts = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft"]
         checks = [(w, r) for w, r in zip(works, first_row) if w.kind == "verify" or w.final_prefill]

@@ -221,6 +221,7 @@ def test_attend_with_context_writes_cache_and_routes_rows():
     q_index = torch.tensor([[0, 2, 4], [3, 0, 0]])
     q_valid = torch.tensor([[True, True, True], [True, False, False]])
     kv_slots = torch.stack([slots_A, torch.cat([slots_C, slots_C[:1]])])
+    dense_index = kv_slots[:, None, :] * N_KV + torch.arange(N_KV)[None, :, None]     # [Bd, n_kv, Lmax]
     q_pos = torch.tensor([[2, 3, 4], [3, 0, 0]])
     kv_pos = torch.arange(5)
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
@@ -228,7 +229,7 @@ def test_attend_with_context_writes_cache_and_routes_rows():
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
     valid_flat = q_valid.flatten().nonzero().flatten()           # real queries in the padded [Bd * Qmax] layout
     valid_rows = q_index.flatten()[valid_flat]
-    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, kv_slots, mask, score_weight=weight,
+    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, dense_index, mask, score_weight=weight,
                        scores=torch.full((Lyr, 2, N_KV, 5), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
@@ -291,7 +292,8 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
-    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, slots[None],
+    kv_index = slots[None, None, :] * cfg.num_kv_heads + torch.arange(cfg.num_kv_heads)[None, :, None]
+    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, kv_index,
                        (pos[None, :] <= pos[:, None])[None])
     ctx = AttentionContext(k_cache, v_cache, slots, dense=dense)
     with torch.inference_mode():

@@ -1,0 +1,180 @@
+"""Static-shape decode steps and their CUDA graphs: the fast GPU path (`cuda_graphs=True`, `--cuda-graphs`).
+
+Why: at decode batch sizes a step is a few hundred small kernels (30 layers x norms, projections, RoPE, attention,
+MLP); launched one by one from Python, the GPU waits on the host. A CUDA graph records a step's kernels once and
+replays them with one launch. A graph replays fixed shapes and fixed addresses, so:
+
+Owns
+  * `Bucket`: the padded shape of a step — dense requests x query rows x context, sparse drafts x gathered entries,
+    token rows. Sizes round up (`round_up`) so that a long generation needs a few dozen graphs, not one per step;
+  * `StaticStep`: the static input tensors of one bucket, an `AttentionContext` pointing at them, and (on CUDA) the
+    graph recorded over them. `load` copies a step's real tensors in and fills the rest with padding that computes
+    harmless finite values: padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`, never
+    handed to a request), padding queries attend to that slot only, and their outputs land in a padding token row;
+  * `StepGraphs.forward(input_ids, positions, ctx)`: what the runner calls instead of the model — pad, replay (or,
+    on a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding logic), and
+    hand back the real rows and PillarAttn scores.
+
+Steps with a prefill chunk keep the eager path (their query counts vary too much to bucket usefully).
+Must not change what any real token computes: padding only adds rows and masked columns (tests: greedy equality).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import KVCache
+from .model import CausalLM
+from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def batch_bucket(n: int) -> int:
+    """1, 2, 4, 8, then multiples of 8: small batches stay tight, large ones need few buckets."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length() if n <= 8 else round_up(n, 8)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dense_batch: int             # Bd: requests attending densely (padded)
+    dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
+    dense_context: int           # Lmax: context positions (padded)
+    scores: bool                 # PillarAttn scores wanted
+    sparse_batch: int            # Bs: draft tokens attending sparsely (padded)
+    sparse_width: int            # S: gathered entries per draft (padded)
+
+    @property
+    def tokens(self) -> int:
+        """Token rows: every padded dense query, every padded draft, and one more so padding always has a row."""
+        return self.dense_batch * self.dense_queries + self.sparse_batch + 1
+
+    @staticmethod
+    def of(ctx: AttentionContext, context_step: int, width_step: int) -> "Bucket":
+        d, s = ctx.dense, ctx.sparse
+        return Bucket(batch_bucket(d.mask.shape[0]) if d else 0, d.mask.shape[1] if d else 0,
+                      round_up(d.mask.shape[2], context_step) if d else 0, bool(d and d.score_weight is not None),
+                      batch_bucket(s.valid.shape[0]) if s else 0, round_up(s.valid.shape[1], width_step) if s else 0)
+
+
+class StaticStep:
+    """Static inputs of one bucket, the context that points at them, and the recorded graph (CUDA only)."""
+
+    def __init__(self, bucket: Bucket, model: CausalLM, cache: KVCache, graphs: "StepGraphs"):
+        cfg, dev = model.config, cache.device
+        long = dict(dtype=torch.long, device=dev)
+        b = bucket
+        self.bucket, self.model, self.graphs = bucket, model, graphs
+        self.scratch_slot, self.pad_row = cache.scratch_slot, b.tokens - 1
+        self.input_ids = torch.zeros(b.tokens, **long)                                   # [Tp]
+        self.positions = torch.zeros(b.tokens, **long)                                   # [Tp]
+        self.ctx = AttentionContext(cache.k, cache.v, torch.zeros(b.tokens, **long))   # slot_mapping [Tp]
+        if b.dense_batch:
+            Bd, Q, L = b.dense_batch, b.dense_queries, b.dense_context
+            self.ctx.dense = DenseBatch(
+                q_index=torch.zeros(Bd, Q, **long), q_valid=torch.zeros(Bd, Q, dtype=torch.bool, device=dev),
+                valid_flat=torch.zeros(Bd * Q, **long), valid_rows=torch.zeros(Bd * Q, **long),
+                kv_index=torch.zeros(Bd, cfg.num_kv_heads, L, **long),
+                mask=torch.zeros(Bd, Q, L, dtype=torch.bool, device=dev))
+            if b.scores:
+                self.ctx.dense.score_weight = torch.zeros(Bd, Q, device=dev)
+                self.ctx.dense.scores = torch.zeros(cfg.num_layers, Bd, cfg.num_kv_heads, L, device=dev)
+        if b.sparse_batch:
+            Bs, S = b.sparse_batch, b.sparse_width
+            self.ctx.sparse = SparseBatch(q_index=torch.zeros(Bs, **long),
+                                          kv_index=torch.zeros(cfg.num_layers, Bs, cfg.num_kv_heads, S, **long),
+                                          valid=torch.zeros(Bs, S, dtype=torch.bool, device=dev))
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None                                          # [Tp, hidden] graph output
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> None:
+        """Copy one step's tensors in; everything beyond them becomes padding."""
+        T, pad_row, scratch = input_ids.shape[0], self.pad_row, self.scratch_slot
+        _put(self.input_ids, input_ids, 0)
+        _put(self.positions, positions, 0)
+        _put(self.ctx.slot_mapping, ctx.slot_mapping, scratch)
+        if ctx.dense is not None:
+            d, sd = ctx.dense, self.ctx.dense
+            Bd, Q, L = d.mask.shape
+            _put(sd.q_index, d.q_index, pad_row)
+            _put(sd.q_valid, d.q_valid, False)
+            # Real query outputs go to their rows; the padding entries copy row 0's output into the padding row.
+            _put(sd.valid_flat, d.valid_flat, 0)
+            _put(sd.valid_rows, d.valid_rows, pad_row)
+            _put(sd.kv_index, d.kv_index, scratch * self.model.config.num_kv_heads)
+            _put(sd.mask, d.mask, False)
+            sd.mask[Bd:, :, 0] = True                           # padding requests see one (scratch) position
+            if sd.score_weight is not None:
+                _put(sd.score_weight, d.score_weight, 0.0)
+        if ctx.sparse is not None:
+            s, ss = ctx.sparse, self.ctx.sparse
+            Bs = s.valid.shape[0]
+            _put(ss.q_index, s.q_index, pad_row)
+            _put(ss.kv_index, s.kv_index, scratch * self.model.config.num_kv_heads)
+            _put(ss.valid, s.valid, False)
+            ss.valid[Bs:, 0] = True                             # padding drafts see one (scratch) entry
+
+    def run(self) -> torch.Tensor:
+        """hidden [Tp, hidden] of the loaded step: replay the graph (recording it the first time) or run eagerly."""
+        if self.input_ids.device.type != "cuda":
+            return self.model(self.input_ids, self.positions, self.ctx)
+        if self.graph is None:
+            self._record()
+        self.graph.replay()
+        return self.hidden
+
+    def _record(self) -> None:
+        # A warm-up run on a side stream first (library handles and workspaces are created outside the capture).
+        # It computes the loaded step itself, so the K/V it writes are the ones the replay writes again.
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model(self.input_ids, self.positions, self.ctx)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.graphs.memory_pool()):
+            self.hidden = self.model(self.input_ids, self.positions, self.ctx)
+        torch.cuda.synchronize()
+        self.graphs.record_seconds += time.perf_counter() - start
+
+
+def _put(static: torch.Tensor, real: torch.Tensor, fill) -> None:
+    """static[:real.shape] = real, the rest = fill."""
+    static.fill_(fill)
+    static[tuple(slice(0, n) for n in real.shape)] = real
+
+
+class StepGraphs:
+    """One `StaticStep` per bucket met so far, for one model and one KV pool."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, context_step: int = 256, width_step: int = 32):
+        self.model, self.cache = model, cache
+        self.context_step, self.width_step = context_step, width_step
+        self.steps: dict[Bucket, StaticStep] = {}
+        self._pool = None
+        self.record_seconds = 0.0            # wall time spent recording graphs (a one-time start-up cost)
+
+    def memory_pool(self):
+        """One memory pool for all these graphs: steps replay one at a time, so their scratch memory is shared."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """hidden [T, hidden] for the step's real tokens; ctx.dense.scores, when asked for, is filled as eager does."""
+        bucket = Bucket.of(ctx, self.context_step, self.width_step)
+        step = self.steps.get(bucket)
+        if step is None:
+            step = self.steps[bucket] = StaticStep(bucket, self.model, self.cache, self)
+        step.load(input_ids, positions, ctx)
+        hidden = step.run()
+        if ctx.dense is not None and ctx.dense.scores is not None:
+            Bd, _, L = ctx.dense.mask.shape
+            ctx.dense.scores = step.ctx.dense.scores[:, :Bd, :, :L]
+        return hidden[:input_ids.shape[0]]
