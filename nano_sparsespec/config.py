@@ -147,6 +147,7 @@ class SamplingParams:
 
 DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full", "pillar-lookup")
 BATCH_POLICIES = ("naive", "balanced")
+DEFAULT_LOOKUP_MATCHES = 8     # pillar-lookup's matches per draft step (benchmarks/drafter/README.md measured 2-16)
 
 
 @dataclass
@@ -160,7 +161,9 @@ class SpecConfig:
     budget_ratio, min_budget   critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * context))
     sink_tokens  sink positions kept by the streaming policy
     lookup_matches  pillar-lookup: at each draft step the latest this-many earlier positions of the draft's input
-                 token, and the position after each, take the place of the lowest-ranked critical positions
+                 token, and the position after each, take the place of the lowest-ranked critical positions.
+                 None (default): 8, or min_budget // 2 when the budget is smaller (benchmarks/drafter: at B = 128,
+                 8 beat 2 and 4 on looping and non-looping text, and 16 was no better)
     batch_policy naive (lock-step: all requests verify on the same step) or balanced (verifications staggered)
     async_verify delayed verification: a request that verifies at step t sits out step t+1
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
@@ -173,7 +176,7 @@ class SpecConfig:
     budget_ratio: float = 0.05
     min_budget: int = 128
     sink_tokens: int = 4
-    lookup_matches: int = 4
+    lookup_matches: int | None = None
     ngram_max: int = 4
     ngram_min: int = 2
     batch_policy: str = "balanced"
@@ -197,10 +200,11 @@ class SpecConfig:
             raise ValueError(f"min_budget must be an integer >= 1, got {self.min_budget!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if not isinstance(self.lookup_matches, int) or self.lookup_matches < 1:
-            raise ValueError(f"lookup_matches must be an integer >= 1, got {self.lookup_matches!r}")
-        if self.method == "pillar-lookup" and self.min_budget < 2 * self.lookup_matches:
-            raise ValueError(f"min_budget={self.min_budget} is too small for lookup_matches={self.lookup_matches}: "
+        if self.lookup_matches is not None and (not isinstance(self.lookup_matches, int) or self.lookup_matches < 1):
+            raise ValueError(f"lookup_matches must be an integer >= 1 (or None for the default), "
+                             f"got {self.lookup_matches!r}")
+        if self.method == "pillar-lookup" and self.min_budget < 2 * self.num_lookups:
+            raise ValueError(f"min_budget={self.min_budget} is too small for lookup_matches={self.num_lookups}: "
                              f"pillar-lookup needs min_budget >= 2 * lookup_matches")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
@@ -216,6 +220,13 @@ class SpecConfig:
     def drafts_per_cycle(self) -> int:
         """Model draft steps between two verifications (0 for plain; ngram drafts on the CPU, not with the model)."""
         return 0 if self.method in ("plain", "ngram") else self.stride
+
+    @property
+    def num_lookups(self) -> int:
+        """pillar-lookup's matches per draft step: `lookup_matches`, or by default 8 capped at min_budget // 2."""
+        if self.lookup_matches is not None:
+            return self.lookup_matches
+        return max(1, min(DEFAULT_LOOKUP_MATCHES, self.min_budget // 2))
 
     def budget(self, context_len: int) -> int:
         """Critical positions per (layer, KV head) for a request whose verified context has `context_len` tokens."""

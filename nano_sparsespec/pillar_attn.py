@@ -216,23 +216,29 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
 
 
 def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
-                 lookup_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Make room for the lookup positions inside each (layer, KV head)'s budget.
+                 lookup_valid: torch.Tensor) -> torch.Tensor:
+    """Put the lookup positions inside each (layer, KV head)'s budget, in place of the lowest-ranked critical ones.
 
     selection: [B, L, n_kv, N] critical positions in rank order (best first, as `select_pillar` returns them), the
     first selection_len [B] of them real; lookup, lookup_valid: [B, M] from `lookup_positions`.
     Per (layer, KV head): drop the positions the lookup already holds, then the lowest-ranked others, so that the
     kept ones plus the valid lookups number exactly selection_len again.
-    -> kept [B, L, n_kv, N] (kept positions first, in rank order; the rest is padding), kept_len [B].
+    -> merged [B, L, n_kv, N]: the kept positions in rank order, then the valid lookups in lookup order, selection_len
+    of them in all (the rest is padding). Same width as the selection: a draft step gathers B + window entries.
     """
-    N = selection.shape[-1]
+    B, L, n_kv, N = selection.shape
     held = ((selection[..., None] == lookup[:, None, None, None, :])
             & lookup_valid[:, None, None, None, :]).any(-1)                                        # [B, L, n_kv, N]
-    kept_len = selection_len - lookup_valid.sum(1)
+    kept_len = selection_len - lookup_valid.sum(1)                                                 # [B]
     real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]              # [B, N]
     keep = ~held & real[:, None, None, :]
     rank = keep.cumsum(-1)
     keep &= rank <= kept_len[:, None, None, None]
     target = torch.where(keep, rank - 1, N)                               # kept -> front; dropped -> a spare column
-    kept = torch.zeros(*selection.shape[:-1], N + 1, dtype=selection.dtype, device=selection.device)
-    return kept.scatter_(-1, target, selection)[..., :N], kept_len
+    merged = torch.zeros(B, L, n_kv, N + 1, dtype=selection.dtype, device=selection.device)
+    merged.scatter_(-1, target, selection)
+    # the valid lookups follow the kept ones: column kept_len + their rank among the valid ones (< selection_len)
+    after = torch.where(lookup_valid, kept_len[:, None] + lookup_valid.cumsum(1) - 1, N)          # [B, M]
+    M = lookup.shape[1]
+    merged.scatter_(-1, after[:, None, None, :].expand(B, L, n_kv, M), lookup[:, None, None, :].expand(B, L, n_kv, M))
+    return merged[..., :N]

@@ -146,11 +146,9 @@ class ModelRunner:
         if self.spec.method == "pillar-lookup":
             # Refreshed at every draft step: positions found from this draft's input token replace the lowest-ranked
             # critical positions of each (layer, KV head); the count stays the budget.
+            # Same width and count as the selection (sel_valid holds): the step gathers B + window entries.
             lookup, lookup_valid = self._lookups(drafts, rows, verified, input_ids[self._dev(row_of)])  # [Bs, M]
-            sel_pos, kept = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)
-            sel_pos = torch.cat([sel_pos, lookup[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)], -1)
-            sel_valid = torch.cat([sel_valid & (torch.arange(sel_max, device=self.device)[None] < kept[:, None]),
-                                   lookup_valid], dim=1)
+            sel_pos = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)     # [Bs, L, n_kv, Nsel]
         win_pos = verified[:, None] + torch.arange(win_max, device=self.device)         # [Bs, W]
         sel_slots = self._slots(tables, sel_pos)                                        # [Bs, L, n_kv, Nsel]
         win_slots = self._slots(tables, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
@@ -170,7 +168,7 @@ class ModelRunner:
         drafted = self.draft_tokens[rows, self._dev([max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)])]
         in_context = self._dev([p <= s.num_verified for p, s in zip(prev, seqs)], torch.bool)
         context_tokens = self.context_tokens[rows, :max(s.num_verified for s in seqs)]              # [Bs, Lc]
-        return pillar_attn.lookup_positions(context_tokens, tokens, verified, self.spec.lookup_matches,
+        return pillar_attn.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
                                             torch.where(in_context, committed, drafted))
 
     # --- one step ----------------------------------------------------------------------------------------------------

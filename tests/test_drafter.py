@@ -1,5 +1,6 @@
-"""The `pillar-lookup` drafter: its token-lookup selection against explicit references, and greedy equality with
-plain decoding on a tiny random Qwen3 across strides, batch policies, delayed verification and offload."""
+"""The `pillar-lookup` drafter (benchmarks/drafter/README.md chose it, with 8 lookup matches by default): its
+token-lookup selection against explicit references, its configuration, and greedy equality with plain decoding on a
+tiny random Qwen3 across strides, batch policies, delayed verification and offload."""
 import itertools
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.pillar_attn import lookup_positions, merge_lookup, select_pillar
+from nano_sparsespec.runner import ModelRunner
 
 PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -30,10 +32,11 @@ def lookup_reference(tokens: list[int], token: int, context_len: int, matches: i
     return out
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("with_prev", [False, True])
-def test_lookup_positions_matches_reference(with_prev):
-    g = torch.Generator().manual_seed(0)
-    B, Lc, m = 64, 30, 3
+def test_lookup_positions_matches_reference(with_prev, m):
+    g = torch.Generator().manual_seed(m)
+    B, Lc = 64, 30
     context = torch.randint(0, 4, (B, Lc), generator=g)            # a small vocabulary: many repeats, runs "x x"
     tokens = torch.randint(0, 5, (B,), generator=g)               # token 4 never occurs: nothing found
     prev = torch.randint(0, 4, (B,), generator=g) if with_prev else None
@@ -64,9 +67,9 @@ def test_lookup_positions_layout_and_edges():
 
 
 def merge_reference(selection: list[int], lookup: list[int]) -> list[int]:
-    """Drop what the lookup holds, then keep the best-ranked rest so that kept + lookup = len(selection)."""
+    """Drop what the lookup holds, keep the best-ranked rest so that kept + lookup = len(selection), then the lookup."""
     rest = [p for p in selection if p not in lookup]
-    return rest[:len(selection) - len(lookup)]
+    return rest[:len(selection) - len(lookup)] + lookup
 
 
 def test_merge_lookup_matches_reference():
@@ -77,16 +80,15 @@ def test_merge_lookup_matches_reference():
     sel_len = torch.randint(6, N + 1, (B,), generator=g)
     lookup = torch.stack([torch.randperm(ctx, generator=g)[:6] for _ in range(B)])
     lookup_valid = torch.rand(B, 6, generator=g) < 0.7
-    kept, kept_len = merge_lookup(selection, sel_len, lookup, lookup_valid)
+    merged = merge_lookup(selection, sel_len, lookup, lookup_valid)
+    assert merged.shape == selection.shape                    # same width: a draft gathers no more than before
     for b in range(B):
         look = lookup[b][lookup_valid[b]].tolist()
-        assert int(kept_len[b]) == int(sel_len[b]) - len(look)
+        n = int(sel_len[b])
         for l, h in itertools.product(range(L), range(n_kv)):
-            ref = merge_reference(selection[b, l, h, :int(sel_len[b])].tolist(), look)
-            assert kept[b, l, h, :int(kept_len[b])].tolist() == ref
-            # the budget holds and nothing is attended twice
-            union = kept[b, l, h, :int(kept_len[b])].tolist() + look
-            assert len(union) == len(set(union)) == int(sel_len[b])
+            ref = merge_reference(selection[b, l, h, :n].tolist(), look)
+            assert merged[b, l, h, :n].tolist() == ref
+            assert len(set(ref)) == n                         # the budget holds and nothing is attended twice
 
 
 def test_merge_lookup_keeps_a_small_context_whole():
@@ -94,9 +96,8 @@ def test_merge_lookup_keeps_a_small_context_whole():
     ctx = 6
     selection = select_pillar(torch.rand(1, 1, 1, ctx), [ctx], [16])[0][None]           # [1, L, n_kv, 6]
     lookup, valid = lookup_positions(torch.tensor([[1, 2, 1, 3, 1, 2]]), torch.tensor([1]), torch.tensor([ctx]), 2)
-    kept, kept_len = merge_lookup(selection, torch.tensor([ctx]), lookup, valid)
-    union = kept[0, 0, 0, :int(kept_len[0])].tolist() + lookup[valid].tolist()
-    assert sorted(union) == list(range(ctx))
+    merged = merge_lookup(selection, torch.tensor([ctx]), lookup, valid)
+    assert sorted(merged[0, 0, 0].tolist()) == list(range(ctx))
 
 
 def test_spec_rejects_budget_below_lookups():
@@ -104,6 +105,19 @@ def test_spec_rejects_budget_below_lookups():
         SpecConfig(method="pillar-lookup", min_budget=6, lookup_matches=4)
     with pytest.raises(ValueError, match="lookup_matches"):
         SpecConfig(method="pillar-lookup", lookup_matches=0)
+    with pytest.raises(ValueError, match="min_budget=1 is too small"):
+        SpecConfig(method="pillar-lookup", min_budget=1)
+
+
+def test_default_lookup_matches():
+    """8 by default (the measured best), capped at half of a smaller min_budget; an explicit value is taken as is."""
+    assert SpecConfig(method="pillar-lookup").num_lookups == 8
+    assert SpecConfig(method="pillar-lookup", min_budget=16).num_lookups == 8
+    assert SpecConfig(method="pillar-lookup", min_budget=10).num_lookups == 5
+    assert SpecConfig(method="pillar-lookup", min_budget=2).num_lookups == 1
+    assert SpecConfig(method="pillar-lookup", lookup_matches=2).num_lookups == 2
+    with pytest.raises(ValueError, match="min_budget=8 is too small for lookup_matches=8"):
+        SpecConfig(method="pillar-lookup", min_budget=8, lookup_matches=8)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -137,11 +151,13 @@ def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
                                                            ("balanced", False, 12), ("balanced", True, 12),
                                                            ("balanced", True, None)])
 def test_greedy_is_lossless(tiny_qwen3, prompts, plain_greedy, policy, async_verify, kv_blocks):
+    # The chosen design: pillar-lookup with its defaults (8 lookup matches), at a budget of 16 that they can fill.
     # max_batch 5 < 8 prompts: rows are reused by later requests (their device token mirror must restart);
     # kv_blocks=12 forces whole requests to the host pool and back.
-    llm, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=4, min_budget=8, budget_ratio=0.1,
+    llm, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=4, min_budget=16, budget_ratio=0.1,
                     batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, max_batch=5,
                     prefill_chunk=32)
+    assert llm.spec.num_lookups == 8
     assert [o.token_ids for o in outs] == plain_greedy
     if kv_blocks is not None:
         assert llm.last_stats.offloads > 0 and llm.last_stats.restores == llm.last_stats.offloads
@@ -151,6 +167,26 @@ def test_lookup_changes_what_drafts_attend_to(tiny_qwen3, prompts):
     """Same budget, same verification scores: the per-step lookup must change some drafts (else it is not wired in)."""
     counts = {}
     for method in ("pillar", "pillar-lookup"):
-        llm, _ = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=8, budget_ratio=0.01)
+        llm, _ = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=8, budget_ratio=0.01,
+                     lookup_matches=2)
         counts[method] = llm.last_stats.accepted_counts
     assert counts["pillar"] != counts["pillar-lookup"]
+
+
+def test_lookup_keeps_the_draft_cost(tiny_qwen3, prompts, plain_greedy, monkeypatch):
+    """A pillar-lookup draft gathers what a pillar draft gathers, its budget plus the window: no extra columns."""
+    checked = []
+    original = ModelRunner._sparse_batch
+
+    def sparse_batch(self, drafts, row_of, input_ids):
+        batch = original(self, drafts, row_of, input_ids)
+        budget = [self.selection_len[w.seq.row] for w in drafts]
+        window = [w.start - w.seq.num_verified + 1 for w in drafts]
+        checked.append((batch.valid.shape[1], batch.valid.sum(1).tolist()) ==
+                       (max(budget) + max(window), [b + w for b, w in zip(budget, window)]))
+        return batch
+
+    monkeypatch.setattr(ModelRunner, "_sparse_batch", sparse_batch)
+    _, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=4, min_budget=16, budget_ratio=0.1)
+    assert [o.token_ids for o in outs] == plain_greedy
+    assert checked and all(checked)

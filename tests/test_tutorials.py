@@ -30,6 +30,7 @@ TUTORIALS = {
     "04_delayed_verification": "plain == sync == async, every request, token for token: True",
     "05_dynamic_kv_cache": "outputs identical with and without the bound: True",
     "06_all_together": "$ python -m nano_sparsespec.generate",
+    "07_stale_selection": "Every run identical to plain greedy: True",
 }
 
 

@@ -1,0 +1,229 @@
+"""Tutorial 07: why a PillarAttn selection goes stale during drafting, and what keeps it fresh.
+
+    python -m tutorials.07_stale_selection            # about two minutes on a laptop CPU
+    python -m tutorials.07_stale_selection --quick    # seconds, tiny random model
+
+PillarAttn picks a request's critical positions once per cycle, from the attention of the verification, and the
+next k drafts attend to that selection plus the tokens written since. Draft j's query is j tokens further on than
+the newest query the selection was scored with: whatever it needs that the verification did not need is missing.
+The ideal is the *per-step top-B bound*: every draft step attends to the B positions its own full attention ranks
+highest. That costs a full attention pass per draft (the very thing drafting avoids), so it is a bound, not a drafter.
+
+This script measures the gap directly. It decodes the prompt of tutorial 01 greedily with `pillar` (budget 32
+positions per layer and KV head, about a tenth of the context; k = 8) and captures at every verification, per layer,
+KV head and query row, the exact attention probabilities (wrapping `pillar_attn.pillar_scores`) and the selection
+the engine made (wrapping `pillar_attn.select_pillar`). A verification's row j is draft step j's query computed
+exactly, so for every cycle and draft step the script can say how much of that step's attention the drafter saw:
+the attention mass on its selection plus the positions written since the verification, averaged over layers and KV
+heads. Rows of rejected drafts are left out: their tokens are not in the text. Numbers from one default run on a
+2-core cloud VM (22 cycles; the figures of sections 1-3 are computed offline from the captures, for the same cycles):
+
+1. Attention mass seen, by draft step j: StreamingLLM 62-71%, the stale PillarAttn selection 83-89%, the per-step
+   top-B bound 88-91%. On average the stale selection loses only ~4 points of attention mass to the bound, and
+   hardly more for late drafts than for early ones. Averaged mass hides where staleness bites.
+
+2. The one position each (layer, KV head) attends to most. PillarAttn sees it for 99.0% of the 90 pairs, but a draft
+   needs all of them right: only 52% of draft steps see every pair's top position. Token lookup (method
+   `pillar-lookup`: at each draft step, the latest m earlier occurrences p of the draft's input token and p + 1
+   replace the lowest-ranked critical positions, same budget) raises that to 66-70% while the mass barely moves.
+   The misses are a few sharp heads, the duplicate-token and induction heads that point at one earlier occurrence
+   of the current token: the verification's queries did not ask for that token, so no selection made there can
+   hold it, and one wrong head can flip a draft's argmax. The draft's own input token names the position.
+
+3. Other choices at the verification, same budget, no lookup (all steps seeing every top position): PillarAttn 52%;
+   max instead of mean over rows and heads 64%; only the rows of tokens that stay (dropping the rejected drafts'
+   rows) 35%, worse, because the rejected drafts' rows are the queries nearest to the next cycle's drafts; a quarter
+   of the budget pinned to 4 sinks + the most recent positions 57%. A proxy, not acceptance: in the full ablation
+   only lookup raised acceptance by more than the noise, and dropping rows lowered it (benchmarks/drafter).
+
+4. Acceptance on this one prompt (drafts accepted per verification, of 8): pillar 3.13, pillar-lookup with m = 2:
+   4.59, m = 4: 3.95, and the default m = 8: 3.95. One prompt and 96 tokens are too few to rank m; at 4 prompts x
+   1024 tokens m = 8 won (7.13 vs 5.91 for pillar on looping text, 6.45 vs 5.81 with repeats banned, 6.79 vs 6.24
+   at T = 0.6). Every run is identical to plain greedy decoding, which the script checks.
+
+With matplotlib: tutorials/out/07_stale_selection.png, the attention mass seen against the draft step.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from nano_sparsespec import SamplingParams, pillar_attn
+
+from ._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
+
+# The drafter this tutorial ends with (benchmarks/drafter/README.md measured it against the others).
+FINAL = dict(method="pillar-lookup")
+
+
+@contextmanager
+def capture_rows():
+    """Record every verification of a one-request `pillar` run. Yields a list that fills with one dict per
+    verification (the last prefill chunk counts as one with no drafts):
+        rows       positions of its scored query rows (row 0: the pending token, row j: draft j)
+        mean, max  [L, n_kv, R, Lmax] attention probabilities of each scored row, mean / max over the GQA group
+        scores     [L, n_kv, Lmax] what the engine ranked (the rows' mean), selection [L, n_kv, B] what it chose
+        context    the verified context after the verification (the selection's positions are below it)
+    Both wrapped functions are called through the module, so the engine's own computation runs unchanged.
+    """
+    records, layers = [], []
+    orig_scores, orig_select = pillar_attn.pillar_scores, pillar_attn.select_pillar
+
+    def scores(q, k, mask, score_weight, *rest):                       # called once per layer
+        rows = score_weight[0].nonzero().flatten()                      # scored rows of the one request
+        _, _, H, D = q.shape
+        n_kv = k.shape[2]
+        q_rows = q[0, rows].view(len(rows), n_kv, H // n_kv, D).float()                        # [R, n_kv, G, D]
+        logits = torch.einsum("rkgd,lkd->kgrl", q_rows, k[0].float()) * D ** -0.5             # [n_kv, G, R, L]
+        probs = logits.masked_fill(~mask[0, rows][None, None], float("-inf")).softmax(-1)
+        layers.append((probs.mean(1), probs.amax(1), mask[0, rows].sum(-1) - 1))
+        return orig_scores(q, k, mask, score_weight, *rest)
+
+    def select(scores_, context_len, budget, *rest):
+        chosen = orig_select(scores_, context_len, budget, *rest)
+        records.append(dict(rows=layers[0][2].tolist(), mean=torch.stack([m for m, _, _ in layers]),
+                            max=torch.stack([x for _, x, _ in layers]), scores=scores_[:, 0].clone(),
+                            selection=chosen[0].clone(), context=int(context_len[0])))
+        layers.clear()
+        return chosen
+
+    pillar_attn.pillar_scores, pillar_attn.select_pillar = scores, select
+    try:
+        yield records
+    finally:
+        pillar_attn.pillar_scores, pillar_attn.select_pillar = orig_scores, orig_select
+
+
+def seen(probs: torch.Tensor, positions: torch.Tensor, window: range) -> tuple[float, float, float]:
+    """What a drafter attending to `positions` [L, n_kv, n] plus the `window` sees of one query's exact attention
+    probs [L, n_kv, Lmax] (the positions lie below the window): (the attention mass on them, averaged over layers and
+    KV heads; the share of (layer, KV head) whose most-attended position is among them; 1.0 if that holds for all)."""
+    mass = probs.gather(-1, positions).sum(-1) + probs[..., window.start:window.stop].sum(-1)
+    top = probs[..., :window.stop].argmax(-1)                                                   # [L, n_kv]
+    hit = (top >= window.start) | (positions == top[..., None]).any(-1)
+    return float(mass.mean()), float(hit.float().mean()), float(hit.all())
+
+
+def lookup_selection(selection: torch.Tensor, tokens: list[int], context: int, position: int, matches: int):
+    """What `pillar-lookup` attends to at the draft step whose input token sits at `position`: the selection with
+    the token's lookups merged in (the engine's own `lookup_positions` + `merge_lookup`) -> [L, n_kv, n]."""
+    ctx = torch.tensor([tokens[:context]])
+    found, valid = pillar_attn.lookup_positions(ctx, torch.tensor([tokens[position]]), torch.tensor([context]),
+                                                matches, torch.tensor([tokens[position - 1]]))
+    return pillar_attn.merge_lookup(selection[None], torch.tensor([selection.shape[-1]]), found, valid)[0]
+
+
+def sinks_recent_then_pillars(scores: torch.Tensor, context: int, n: int, fixed: int, sinks: int) -> torch.Tensor:
+    """A budget split (the dropped `recent_share` option): `fixed` positions go to the first `sinks` and the most
+    recent ones before `context`, the top-scored others fill the rest of n. scores [L, n_kv, Lmax] -> [L, n_kv, n]."""
+    first = min(sinks, fixed)
+    pinned = torch.cat([torch.arange(first), torch.arange(context - (fixed - first), context)])
+    ranked = scores[..., :context].clone()
+    ranked[..., pinned] = float("inf")                      # pinned first, then by score
+    return ranked.topk(n, dim=-1).indices
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    start(args, "Tutorial 07: stale selections")
+    llm = load_llm(args)
+    cfg = llm.model.config
+    ids = llm.encode(PROMPT)
+    new_tokens, k, budget = (24, 4, 16) if args.quick else (96, 8, 32)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    print(f"prompt: {len(ids)} tokens; {new_tokens} new tokens, greedy, k = {k}, budget {budget} positions per "
+          f"(layer, KV head)")
+    spec = dict(stride=k, min_budget=budget, budget_ratio=0.01, batch_policy="naive")
+
+    with_spec(llm, method="plain")
+    plain = llm.generate(None, params, prompt_token_ids=[ids])[0]
+    with_spec(llm, method="pillar", **spec)
+    with capture_rows() as records:
+        out = llm.generate(None, params, prompt_token_ids=[ids])[0]
+    same = [out.token_ids == plain.token_ids]
+    tokens = ids + out.token_ids
+
+    # One entry per (cycle, draft step j): what each drafter would have seen of that step's exact attention.
+    drafters = {"streaming (sinks + recent)": None, "pillar (stale)": None, "pillar + lookup (m=2)": 2,
+                "pillar + lookup (m=4)": 4, "pillar + lookup (m=8)": 8}
+    cover = {name: {} for name in [*drafters, "per-step top-B bound"]}   # name -> j -> [(mass, top seen) per cycle]
+    variants = {"pillar (stale), as the engine chose": [], "max over rows and heads (score_agg=max)": [],
+                "accepted rows only (rejected_weight=0)": [], "a quarter to sinks + recent (recent_share=0.25)": []}
+    for prev, cur in zip(records, records[1:]):
+        c, sel = prev["context"], prev["selection"]                     # the cycle's drafts attend to sel + window
+        n = sel.shape[-1]
+        accepted = cur["context"] - c - 1
+        assert cur["rows"][0] == c, "one request, sync: a cycle starts where the last verification ended"
+        streaming = pillar_attn.select_streaming(c, n, llm.spec.sink_tokens, cfg.num_layers, cfg.num_kv_heads)
+        # the other selection policies, scored from the same (previous) verification's rows
+        a_prev = c - prev["rows"][0] - 1
+        scored = {"max over rows and heads (score_agg=max)": prev["max"].amax(-2),
+                  "accepted rows only (rejected_weight=0)": prev["mean"][..., :a_prev + 1, :].mean(-2)}
+        others = {"pillar (stale), as the engine chose": sel,
+                  **{name: pillar_attn.select_pillar(s[:, None], [c], [n])[0] for name, s in scored.items()},
+                  "a quarter to sinks + recent (recent_share=0.25)":
+                  sinks_recent_then_pillars(prev["scores"], c, n, round(0.25 * n), llm.spec.sink_tokens)}
+        for j in range(min(accepted, k - 1) + 1):                       # draft step j's input sits at c + j
+            probs = cur["mean"][..., j, :]                              # [L, n_kv, Lmax] its exact attention
+            window = range(c, c + j + 1)
+            best = probs[..., :c].topk(n, dim=-1).indices
+            cover["per-step top-B bound"].setdefault(j, []).append(seen(probs, best, window))
+            for name, matches in drafters.items():
+                chosen = streaming if name.startswith("streaming") else sel if matches is None else \
+                    lookup_selection(sel, tokens, c, c + j, matches)
+                cover[name].setdefault(j, []).append(seen(probs, chosen, window))
+            for name, chosen in others.items():
+                variants[name].append(seen(probs, chosen, window))
+    cycles = len(records) - 1
+
+    def mean(values, i):
+        return sum(v[i] for v in values) / max(1, len(values))
+
+    steps = sorted(cover["pillar (stale)"])
+    names = list(cover)
+    every = {name: [v for j in steps for v in cover[name][j]] for name in names}
+    section("1. How much of each draft step's attention the drafter sees")
+    print(f"{cycles} cycles; rows: draft step j (its input token is j positions past the verified context); "
+          f"columns: attention mass the drafter sees, averaged over layers, KV heads and the cycles that accepted "
+          f"draft j")
+    table(["j", "cycles"] + names,
+          [[j, len(cover["pillar (stale)"][j])] + [f"{mean(cover[n][j], 0):.1%}" for n in names] for j in steps])
+
+    section("2. The one position each head attends to most")
+    print(f"per draft step, over all {cfg.num_layers * cfg.num_kv_heads} (layer, KV head) pairs: the share whose "
+          f"most-attended position the drafter sees, and the draft steps where every pair sees it")
+    head = ["attention mass seen", "most-attended position seen", "draft steps seeing every one"]
+    table(["drafter"] + head, [[n] + [f"{mean(every[n], i):.1%}" for i in range(3)] for n in names])
+
+    section("3. Other ways to choose at the verification (same cycles, same budget, no lookup)")
+    table(["selection"] + head, [[n] + [f"{mean(v, i):.1%}" for i in range(3)] for n, v in variants.items()])
+
+    section("4. Acceptance (drafts accepted per verification, out of up to k)")
+    runs = [("pillar", dict(method="pillar")),
+            ("pillar-lookup, lookup_matches=2", dict(method="pillar-lookup", lookup_matches=2)),
+            ("pillar-lookup, lookup_matches=4", dict(method="pillar-lookup", lookup_matches=4)),
+            (f"{FINAL['method']} (its default: 8 matches)", FINAL)]
+    rows = []
+    for label, changes in runs:
+        with_spec(llm, **{**spec, **changes})
+        got = llm.generate(None, params, prompt_token_ids=[ids])[0]
+        same.append(got.token_ids == plain.token_ids)
+        summary = llm.last_stats.summary(k)
+        rows.append([label, summary["mean_accepted"], summary["tokens_per_verification"]])
+    table(["drafter", "accepted", "tokens/verification"], rows)
+    print(f"Every run identical to plain greedy: {all(same)}")
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in names:
+            ax.plot(steps, [mean(cover[name][j], 0) for j in steps], marker="o", label=name)
+        ax.set(xlabel="draft step j in the cycle", ylabel="attention mass seen",
+               title=f"what the drafter sees of each draft step's attention (budget {budget})")
+        ax.legend(fontsize=8)
+
+    save_plot(args, "07_stale_selection", draw)
+
+
+if __name__ == "__main__":
+    main()
