@@ -15,8 +15,9 @@ Owns
     respect to that banned target (greedy outputs of all methods still agree; `full` still accepts everything). It
     wraps the engine's `ModelRunner` for the duration of the sweep and reads draft tokens back to the host at every
     step: fine for counting acceptance, not for timing.
-  * a method may carry SpecConfig overrides: `--methods "pillar,streaming,hybrid:recent_ratio=0.5"` (fields
-    separated by ':'); its label in the table is the string as given.
+  * a method may carry SpecConfig overrides: `--methods "pillar,pillar-lookup:lookup_matches=4"` (fields
+    separated by ':'); its label in the table is the string as given. Batching is naive lock-step (acceptance does
+    not depend on the batch policy, and so every cycle offers k drafts but the last).
 
 Output: a markdown table on stdout (and `--md-out`), the full record (per request token ids included) in
 `--json-out`. Must not change how the engine decodes: every config goes through `LLM.generate`.
@@ -136,8 +137,8 @@ class NoRepeatNgramRunner(ModelRunner):
     """`ModelRunner` whose draft and verification logits ban repeated N-grams of each request's output."""
     ngram = 0     # set by `no_repeat_ngram`
 
-    def __init__(self, model, cache, spec):
-        super().__init__(model, cache, spec)
+    def __init__(self, model, cache, spec, *args, **kwargs):
+        super().__init__(model, cache, spec, *args, **kwargs)
         self.model = _BannedLogits(model, self.ngram)
 
     def _drafts_of(self, seq, count: int) -> list[int]:
@@ -321,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,0.6")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--methods", default="pillar,streaming,ngram,full",
-                   help="comma-separated; a method may carry SpecConfig fields: hybrid:recent_ratio=0.5")
+                   help="comma-separated; a method may carry SpecConfig fields: pillar-lookup:lookup_matches=4")
     p.add_argument("--budget-ratios", default="0.05")
     p.add_argument("--min-budgets", default="128")
     p.add_argument("--stride", type=int, default=8)
@@ -336,28 +337,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_configs(args, methods: list[tuple[str, dict]], batch: int) -> list[tuple[str, SpecConfig, float]]:
+    """(label, SpecConfig, temperature) for every method x temperature x budget of the sweep."""
+    labels = [m.strip() for m in args.methods.split(",") if m.strip()]
+    configs = []
+    for temperature in floats(args.temperatures):
+        for (name, overrides), label in zip(methods, labels):
+            budgets = [(None, None)] if name in BUDGET_FREE else \
+                [(r, b) for r in floats(args.budget_ratios) for b in ints(args.min_budgets)]
+            for ratio, min_budget in budgets:
+                fields = dict(method=name, stride=args.stride, batch_policy="naive", max_batch=max(64, batch))
+                if ratio is not None:
+                    fields.update(budget_ratio=ratio, min_budget=min_budget)
+                configs.append((label, SpecConfig(**{**fields, **overrides}), temperature))
+    return configs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     edges = ints(args.buckets)
-    methods = [parse_method(m.strip()) for m in args.methods.split(",") if m.strip()]
-    try:
+    try:                                           # bad configs fail before the model loads
+        methods = [parse_method(m.strip()) for m in args.methods.split(",") if m.strip()]
+        configs = build_configs(args, methods, args.num_prompts)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, gguf=args.gguf)
+        token_ids = [llm.encode(p) for p in load_prompts(args)]
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    token_ids = [llm.encode(p) for p in load_prompts(args)]
-    configs = []                                  # (label, SpecConfig, temperature)
-    for temperature in floats(args.temperatures):
-        for (name, overrides), text in zip(methods, [m.strip() for m in args.methods.split(",") if m.strip()]):
-            budgets = [(None, None)] if name in BUDGET_FREE else \
-                [(r, b) for r in floats(args.budget_ratios) for b in ints(args.min_budgets)]
-            for ratio, min_budget in budgets:
-                fields = dict(method=name, stride=args.stride, batch_policy="naive", max_batch=max(64, len(token_ids)))
-                if ratio is not None:
-                    fields.update(budget_ratio=ratio, min_budget=min_budget)
-                configs.append((text, SpecConfig(**{**fields, **overrides}), temperature))
     rows = []
     print(f"{len(token_ids)} prompts ({', '.join(str(len(t)) for t in token_ids)} tokens), {args.max_new_tokens} new "
           f"tokens each, k = {args.stride}, {len(configs)} configs, device {llm.device}, dtype {llm.dtype}"
