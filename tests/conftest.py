@@ -1,6 +1,12 @@
-"""Shared fixtures: tiny random Qwen3 / Llama checkpoints written by transformers, and the embedded model."""
+"""Shared fixtures: tiny random Qwen3 / Llama checkpoints written by transformers, the embedded model, and the
+prompts + plain greedy outputs that the losslessness tests compare every drafter against."""
 import pytest
 import torch
+
+from nano_sparsespec import LLM, SamplingParams
+
+PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
 
 def make_tiny_checkpoint(path, arch="qwen3", tie=False, num_kv_heads=2, vocab=256, max_pos=512, sharded=False,
@@ -29,3 +35,17 @@ def make_tiny_checkpoint(path, arch="qwen3", tie=False, num_kv_heads=2, vocab=25
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """Eight random prompts of different lengths (token ids below the tiny vocabulary's EOS)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(tiny_qwen3, prompts):
+    """Plain greedy decoding of `prompts` on the tiny Qwen3 (eager path): what every drafter must reproduce."""
+    llm = LLM(str(tiny_qwen3[0]), method="plain")
+    return [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]

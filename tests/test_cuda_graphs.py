@@ -9,18 +9,11 @@ eager against eager is tests/test_engine.py."""
 import pytest
 import torch
 
+from conftest import GREEDY
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 
-PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
-GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
 def generate(path, prompts, params=GREEDY, device="cpu", **options):

@@ -6,13 +6,11 @@ import itertools
 import pytest
 import torch
 
-from nano_sparsespec import LLM, SamplingParams
+from conftest import GREEDY
+from nano_sparsespec import LLM
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.pillar_attn import lookup_positions, merge_lookup, select_pillar
 from nano_sparsespec.runner import ModelRunner
-
-PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
-GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -122,17 +120,6 @@ def test_default_lookup_matches():
 
 # ----------------------------------------------------------------------------------------------------------------------
 # losslessness end to end
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(tiny_qwen3, prompts):
-    llm = LLM(str(tiny_qwen3[0]), method="plain")
-    return [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
 
 
 def run(path, prompts, **spec):

@@ -6,25 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import GREEDY
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
-
-PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(tiny_qwen3, prompts):
-    llm = LLM(str(tiny_qwen3[0]), method="plain")
-    return [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
-
-
-GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
 
 def run(path, prompts, params=GREEDY, **spec):
