@@ -70,6 +70,7 @@ class StaticStep:
         b = bucket
         self.bucket, self.model, self.graphs = bucket, model, graphs
         self.scratch_slot, self.pad_row = cache.scratch_slot, b.tokens - 1
+        self.scratch_index = cache.scratch_slot * cfg.num_kv_heads          # the scratch slot, KV head 0, as a flat index
         self.input_ids = torch.zeros(b.tokens, **long)                                   # [Tp]
         self.positions = torch.zeros(b.tokens, **long)                                   # [Tp]
         self.ctx = AttentionContext(cache.k, cache.v, torch.zeros(b.tokens, **long))   # slot_mapping [Tp]
@@ -93,19 +94,19 @@ class StaticStep:
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> None:
         """Copy one step's tensors in; everything beyond them becomes padding."""
-        T, pad_row, scratch = input_ids.shape[0], self.pad_row, self.scratch_slot
+        pad_row = self.pad_row
         _put(self.input_ids, input_ids, 0)
         _put(self.positions, positions, 0)
-        _put(self.ctx.slot_mapping, ctx.slot_mapping, scratch)
+        _put(self.ctx.slot_mapping, ctx.slot_mapping, self.scratch_slot)
         if ctx.dense is not None:
             d, sd = ctx.dense, self.ctx.dense
-            Bd, Q, L = d.mask.shape
+            Bd = d.mask.shape[0]
             _put(sd.q_index, d.q_index, pad_row)
             _put(sd.q_valid, d.q_valid, False)
             # Real query outputs go to their rows; the padding entries copy row 0's output into the padding row.
             _put(sd.valid_flat, d.valid_flat, 0)
             _put(sd.valid_rows, d.valid_rows, pad_row)
-            _put(sd.kv_index, d.kv_index, scratch * self.model.config.num_kv_heads)
+            _put(sd.kv_index, d.kv_index, self.scratch_index)
             _put(sd.mask, d.mask, False)
             sd.mask[Bd:, :, 0] = True                           # padding requests see one (scratch) position
             if sd.score_weight is not None:
@@ -114,7 +115,7 @@ class StaticStep:
             s, ss = ctx.sparse, self.ctx.sparse
             Bs = s.valid.shape[0]
             _put(ss.q_index, s.q_index, pad_row)
-            _put(ss.kv_index, s.kv_index, scratch * self.model.config.num_kv_heads)
+            _put(ss.kv_index, s.kv_index, self.scratch_index)
             _put(ss.valid, s.valid, False)
             ss.valid[Bs:, 0] = True                             # padding drafts see one (scratch) entry
 
