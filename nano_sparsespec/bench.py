@@ -961,7 +961,8 @@ def _run(args, argv: list[str]) -> int:
             if row["kv_blocks"]:
                 msg += f", pool {row['kv_blocks']} blocks: {row['offloads']} offloads, {row['restores']} restores"
             print(msg, file=sys.stderr, flush=True)
-        finish_rows(result["rows"], peak, args.temperature == 0)
+            finish_rows(result["rows"], peak, args.temperature == 0)
+            write_outputs(result, args)   # after every row: a run cut short by a time limit keeps what it measured
 
     if args.profile_steps:
         if args.profile_accepted:
@@ -977,6 +978,12 @@ def _run(args, argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
+    print(write_outputs(result, args))
+    return 0
+
+
+def write_outputs(result: dict, args) -> str:
+    """Write the JSON / markdown / PNG outputs asked for; returns the markdown."""
     sections = []
     if result["rows"]:
         sections.append(rows_markdown(result))
@@ -994,8 +1001,7 @@ def _run(args, argv: list[str]) -> int:
         Path(args.md_out).write_text(f"`{result['command']}`\n\n{markdown}\n")
     if args.plot_out and result["rows"]:
         plot_rows(result, args.plot_out)
-    print(markdown)
-    return 0
+    return markdown
 
 
 if __name__ == "__main__":

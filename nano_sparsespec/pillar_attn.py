@@ -15,7 +15,8 @@ Owns
     in the last prefill chunk (the same score machinery, one query row instead of k + 1).
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
-  * `compile_kernels()`: the optional torch.compile'd variant of the two attention kernels (same math).
+  * `compile_kernels()`: the optional torch.compile'd variant of the PillarAttn score pass and the sparse draft kernel
+    (same math); dense attention itself always runs torch's fused SDPA.
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
 """
@@ -77,7 +78,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         head_dim = q.shape[-1]
         keys = ctx.k_cache[layer].view(-1, head_dim)[d.kv_index].transpose(1, 2)
         values = ctx.v_cache[layer].view(-1, head_dim)[d.kv_index].transpose(1, 2)
-        dense_out, scores = _kernels["dense"](q[d.q_index], keys, values, d.mask, d.score_weight)
+        dense_out, scores = dense_attention(q[d.q_index], keys, values, d.mask, d.score_weight)
         out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
         if scores is not None:
             d.scores[layer] = scores
@@ -101,7 +102,7 @@ def dense_attention(q, k, v, mask, score_weight=None):
     """
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask[:, None], enable_gqa=True)        # [B, n_heads, Q, D]
-    scores = None if score_weight is None else pillar_scores(q, k, mask, score_weight)
+    scores = None if score_weight is None else _kernels["scores"](q, k, mask, score_weight)
     return out.transpose(1, 2), scores
 
 
@@ -130,17 +131,19 @@ def sparse_attention(q, k, v, valid):
     return torch.matmul(probs.to(v.dtype), v).reshape(B, H, D)
 
 
-_kernels = {"dense": dense_attention, "sparse": sparse_attention}
+_kernels = {"scores": pillar_scores, "sparse": sparse_attention}
 
 
 def compile_kernels() -> None:
-    """Swap in torch.compile'd versions of the two kernels (dynamic shapes; same results within float tolerance)."""
-    _kernels["dense"] = torch.compile(dense_attention, dynamic=True)
+    """Swap in torch.compile'd versions of the score pass and the sparse kernel (dynamic shapes; same results within
+    float tolerance). SDPA is left alone: compiled, dense attention ran 2x slower than cuDNN's on the H200 and hit
+    dynamo's recompile limit (BENCHMARKS.md, H200 second session)."""
+    _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
 
 
 def use_eager_kernels() -> None:
-    _kernels["dense"], _kernels["sparse"] = dense_attention, sparse_attention
+    _kernels["scores"], _kernels["sparse"] = pillar_scores, sparse_attention
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 from nano_sparsespec import pillar_attn as pa
 from nano_sparsespec.pillar_attn import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
-                                         select_pillar, select_streaming, sparse_attention)
+                                         pillar_scores, select_pillar, select_streaming, sparse_attention)
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
 G = H // N_KV
@@ -447,12 +447,12 @@ def test_compiled_kernels_match_eager():
 
     pa.compile_kernels()
     try:
-        assert pa._kernels["dense"] is not dense_attention and pa._kernels["sparse"] is not sparse_attention
-        out, scores = pa._kernels["dense"](q, k, v, mask, weight)
+        assert pa._kernels["scores"] is not pillar_scores and pa._kernels["sparse"] is not sparse_attention
+        out, scores = dense_attention(q, k, v, mask, weight)      # SDPA + the compiled score pass
         sparse_out = pa._kernels["sparse"](sq, sk, sv, svalid)
     finally:
         pa.use_eager_kernels()
     assert torch.allclose(out[q_valid], eager_out[q_valid], atol=1e-4)
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out, eager_sparse, atol=1e-4)
-    assert pa._kernels["dense"] is dense_attention and pa._kernels["sparse"] is sparse_attention
+    assert pa._kernels["scores"] is pillar_scores and pa._kernels["sparse"] is sparse_attention

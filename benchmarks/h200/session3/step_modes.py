@@ -1,0 +1,55 @@
+"""Step split of the kernel choices behind `--compile`, on a random model of the embedded model's shape (no files
+needed), with CUDA graphs: one plain, one draft and one verification step, each timed whole (host + GPU) and as its
+recorded graph replayed alone (GPU time of the forward).
+
+Modes: `eager` (the readable path); `compile` (what `--compile` does: fused elementwise ops, compiled sparse kernel
+and PillarAttn score pass, SDPA for dense attention); `compile-no-scores` (the same with the score pass left eager).
+Usage: python benchmarks/h200/session3/step_modes.py BATCH CONTEXT [DEVICE]"""
+import statistics
+import sys
+import time
+
+import torch
+
+from nano_sparsespec import model as model_ops, pillar_attn
+from nano_sparsespec.bench import StepProfiler, random_model
+from nano_sparsespec.config import ModelConfig
+
+batch, context = int(sys.argv[1]), int(sys.argv[2])
+device = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cuda")
+dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+cfg = ModelConfig(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                  vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=1e5,
+                  max_position_embeddings=8192, qk_norm=False)
+model = random_model(cfg, device, dtype)
+
+
+def synchronize():
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+for mode in ("eager", "compile", "compile-no-scores"):
+    if mode == "compile":
+        pillar_attn.compile_kernels()
+        model_ops.compile_elementwise()
+    if mode == "compile-no-scores":
+        pillar_attn._kernels["scores"] = pillar_attn.pillar_scores
+    prof = StepProfiler(model, batch, context, 8, device, dtype, 0.05, 128, 0.6, cuda_graphs=True)
+    for kind, fn, runner in (("plain", prof.plain, prof.plain_runner), ("draft", prof.draft, prof.runner),
+                             ("verify", prof.verify, prof.runner)):
+        fn()
+        whole = statistics.median(fn() for _ in range(7))
+        line = f"{mode:17s} {kind:6s} {batch}x{context}: step {whole * 1e3:7.2f} ms"
+        if device.type == "cuda":
+            step = next(s for s in runner.graphs.steps.values()
+                        if (s.bucket.sparse_batch > 0) == (kind == "draft") and
+                        (s.bucket.dense_queries > 1) == (kind == "verify"))
+            synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                step.graph.replay()
+            synchronize()
+            line += f", graph replay alone {(time.perf_counter() - t) / 20 * 1e3:7.2f} ms"
+        print(line, flush=True)
+    del prof
