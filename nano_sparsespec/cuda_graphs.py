@@ -9,8 +9,9 @@ Owns
     token rows. Sizes round up (`round_up`) so that a long generation needs a few dozen graphs, not one per step;
   * `StaticStep`: the static input tensors of one bucket, an `AttentionContext` pointing at them, and (on CUDA) the
     graph recorded over them. `load` copies a step's real tensors in and fills the rest with padding that computes
-    harmless finite values: padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`, never
-    handed to a request), padding queries attend to that slot only, and their outputs land in a padding token row;
+    harmless finite values: padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`, the
+    first slot of a block never handed to a request), padding queries attend to that slot only, and their outputs
+    land in a padding token row;
   * `StepGraphs.forward(input_ids, positions, ctx)`: what the runner calls instead of the model — pad, replay (or,
     on a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding logic), and
     hand back the real rows and PillarAttn scores.
@@ -20,6 +21,7 @@ Must not change what any real token computes: padding only adds rows and masked 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -43,7 +45,7 @@ def batch_bucket(n: int) -> int:
 class Bucket:
     dense_batch: int             # Bd: requests attending densely (padded)
     dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
-    dense_context: int           # Lmax: context positions (padded)
+    dense_context: int           # Lmax: context positions (padded, whole blocks)
     scores: bool                 # PillarAttn scores wanted
     sparse_batch: int            # Bs: draft tokens attending sparsely (padded)
     sparse_width: int            # S: gathered entries per draft (padded)
@@ -73,13 +75,14 @@ class StaticStep:
         self.scratch_index = cache.scratch_slot * cfg.num_kv_heads          # the scratch slot, KV head 0, as a flat index
         self.input_ids = torch.zeros(b.tokens, **long)                                   # [Tp]
         self.positions = torch.zeros(b.tokens, **long)                                   # [Tp]
-        self.ctx = AttentionContext(cache.k, cache.v, torch.zeros(b.tokens, **long))   # slot_mapping [Tp]
+        self.scratch_block = cache.scratch_block
+        self.ctx = AttentionContext(cache.k, cache.v, torch.zeros(b.tokens, **long), cache.block_size)  # slots [Tp]
         if b.dense_batch:
             Bd, Q, L = b.dense_batch, b.dense_queries, b.dense_context
             self.ctx.dense = DenseBatch(
                 q_index=torch.zeros(Bd, Q, **long), q_valid=torch.zeros(Bd, Q, dtype=torch.bool, device=dev),
                 valid_flat=torch.zeros(Bd * Q, **long), valid_rows=torch.zeros(Bd * Q, **long),
-                kv_index=torch.zeros(Bd, cfg.num_kv_heads, L, **long),
+                block_table=torch.zeros(Bd, L // cache.block_size, **long),
                 mask=torch.zeros(Bd, Q, L, dtype=torch.bool, device=dev))
             if b.scores:
                 self.ctx.dense.score_weight = torch.zeros(Bd, Q, device=dev)
@@ -106,7 +109,7 @@ class StaticStep:
             # Real query outputs go to their rows; the padding entries copy row 0's output into the padding row.
             _put(sd.valid_flat, d.valid_flat, 0)
             _put(sd.valid_rows, d.valid_rows, pad_row)
-            _put(sd.kv_index, d.kv_index, self.scratch_index)
+            _put(sd.block_table, d.block_table, self.scratch_block)
             _put(sd.mask, d.mask, False)
             sd.mask[Bd:, :, 0] = True                           # padding requests see one (scratch) position
             if sd.score_weight is not None:
@@ -156,7 +159,7 @@ class StepGraphs:
 
     def __init__(self, model: CausalLM, cache: KVCache, context_step: int = 256, width_step: int = 32):
         self.model, self.cache = model, cache
-        self.context_step, self.width_step = context_step, width_step
+        self.context_step, self.width_step = math.lcm(context_step, cache.block_size), width_step   # whole blocks
         self.steps: dict[Bucket, StaticStep] = {}
         self._pool = None
         self.record_seconds = 0.0            # wall time spent recording graphs (a one-time start-up cost)

@@ -71,10 +71,12 @@ class KVCache:
             raise ValueError(f"the KV pool needs at least one block, got num_blocks={num_blocks}")
         self.block_size = block_size
         self.device = torch.device(device)
-        # One slot past the last block is the scratch slot: padded steps (cuda_graphs.py) write and read it.
+        # One block past the last is the scratch block, never handed to a request: padded steps (cuda_graphs.py)
+        # write and read its first slot, the scratch slot.
+        self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * block_size
-        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)             # [L, slots + 1, n_kv, head_dim]
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)             # [L, slots + block, n_kv, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size, "device")
         host_shape = (num_layers, host_blocks * block_size, num_kv_heads, head_dim)

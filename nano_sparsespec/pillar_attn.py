@@ -37,8 +37,8 @@ class DenseBatch:
     q_valid: torch.Tensor        # [Bd, Qmax]  bool  real query (False: padding)
     valid_flat: torch.Tensor     # [Nq]              real queries' flat index into [Bd * Qmax]
     valid_rows: torch.Tensor     # [Nq]              ... and their rows in the step (indices, not a mask: no host sync)
-    kv_index: torch.Tensor       # [Bd, n_kv, Lmax]  flat index slot * n_kv + kv_head of each context position into
-                                 #                   the pool viewed [slots * n_kv, D] (padding: any valid slot)
+    block_table: torch.Tensor    # [Bd, Lmax / block] pool blocks holding each request's context, in order; Lmax is
+                                 #                   whole blocks (padding columns: any valid block, masked)
     mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by attend() when score_weight is set
@@ -55,8 +55,9 @@ class SparseBatch:
 @dataclass
 class AttentionContext:
     k_cache: torch.Tensor        # [L, slots, n_kv, head_dim]
-    v_cache: torch.Tensor        # [L, slots, n_kv, head_dim]
+    v_cache: torch.Tensor        # [L, slots, n_kv, head_dim], slot = block * block_size + offset
     slot_mapping: torch.Tensor   # [T]   where this step's K/V are written
+    block_size: int              # slots per pool block
     dense: DenseBatch | None = None
     sparse: SparseBatch | None = None
 
@@ -73,11 +74,12 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
     out = torch.zeros_like(q)   # zeros, not empty: a padded step (cuda_graphs.py) has rows no batch writes
     if ctx.dense is not None:
         d = ctx.dense
-        # Gathered head-major ([Bd, n_kv, Lmax, D], passed as a [Bd, Lmax, n_kv, D] view): the layout SDPA and the
-        # score matmul read without another copy.
-        head_dim = q.shape[-1]
-        keys = ctx.k_cache[layer].view(-1, head_dim)[d.kv_index].transpose(1, 2)
-        values = ctx.v_cache[layer].view(-1, head_dim)[d.kv_index].transpose(1, 2)
+        # Gathered a whole block at a time (block_size x n_kv x D contiguous elements per index): on the H200 this
+        # copy runs 8x faster than one index per (position, KV head) (benchmarks/h200/session3/dense_gather.py).
+        Bd, Lmax = d.mask.shape[0], d.mask.shape[2]
+        blocks = ctx.k_cache.shape[1] // ctx.block_size
+        keys = ctx.k_cache[layer].view(blocks, -1)[d.block_table].view(Bd, Lmax, *k.shape[1:])   # [Bd, Lmax, n_kv, D]
+        values = ctx.v_cache[layer].view(blocks, -1)[d.block_table].view(Bd, Lmax, *v.shape[1:])
         dense_out, scores = dense_attention(q[d.q_index], keys, values, d.mask, d.score_weight)
         out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
         if scores is not None:

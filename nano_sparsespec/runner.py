@@ -115,14 +115,13 @@ class ModelRunner:
         # Where the real (non-padding) query rows sit: flat index into [Bd * Qmax], and their rows in the step.
         valid_flat = self._dev([b * q_max + j for b, w in enumerate(dense) for j in range(w.num_tokens)])
         valid_rows = self._dev([r + j for r, w in zip(row_of, dense) for j in range(w.num_tokens)])
-        kv_pos = torch.arange(ctx_max, device=self.device).expand(len(dense), -1)       # [Bd, Lmax]
+        num_blocks = -(-ctx_max // self.cache.block_size)
+        kv_pos = torch.arange(num_blocks * self.cache.block_size, device=self.device).expand(len(dense), -1)  # [Bd, Lmax]
         q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
         mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
         mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
-        kv_slots = self._slots(self._block_tables([w.seq for w in dense]), kv_pos.contiguous())     # [Bd, Lmax]
-        heads = torch.arange(self.n_kv, device=self.device)[None, :, None]
-        kv_index = kv_slots[:, None, :] * self.n_kv + heads                                      # [Bd, n_kv, Lmax]
-        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, kv_index, mask)
+        block_table = self._block_tables([w.seq for w in dense])[:, :num_blocks]        # [Bd, Lmax / block]
+        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask)
         if any(with_scores):
             # Verification rows all count; after a last prefill chunk only its last row does.
             last = (q_lens - 1)[:, None]
@@ -130,7 +129,7 @@ class ModelRunner:
             rows = q_valid & (is_verify | (qi[None, :] == last))
             rows &= self._dev(with_scores, torch.bool)[:, None]
             batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
-            batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, ctx_max, device=self.device)
+            batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, kv_pos.shape[1], device=self.device)
         return batch
 
     def _sparse_batch(self, drafts: list[Work], row_of: list[int], input_ids: torch.Tensor) -> SparseBatch:
@@ -207,7 +206,7 @@ class ModelRunner:
                  if w.kind != "draft" or self.spec.method == "full"]
         sparse = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft" and self.spec.method != "full"]
         wants_scores = self.spec.method in ("pillar", "pillar-lookup")
-        ctx = AttentionContext(self.cache.k, self.cache.v, self._dev(slots))
+        ctx = AttentionContext(self.cache.k, self.cache.v, self._dev(slots), self.cache.block_size)
         if dense:
             ctx.dense = self._dense_batch([w for w, _ in dense], [r for _, r in dense],
                                           [wants_scores and (w.kind == "verify" or w.final_prefill)

@@ -203,9 +203,11 @@ def test_attend_with_context_writes_cache_and_routes_rows():
     k_cache = torch.randn(Lyr, slots, N_KV, D, generator=g)
     v_cache = torch.randn(Lyr, slots, N_KV, D, generator=g)
     before = (k_cache.clone(), v_cache.clone())
-    # slots of each request's positions (scattered, not contiguous)
+    # slots of each request's positions: pool blocks of 2 slots, scattered and out of order
+    block = 2
+    table_A, table_C = torch.tensor([5, 6, 10]), torch.tensor([15, 2])
     slots_A = torch.tensor([10, 11, 12, 13, 20])
-    slots_C = torch.tensor([30, 31, 32, 5])
+    slots_C = torch.tensor([30, 31, 4, 5])
     slots_S = torch.tensor([0, 1, 2, 3, 25, 26, 27])
     T = 5
     q = torch.randn(T, H, D, generator=g)
@@ -217,20 +219,19 @@ def test_attend_with_context_writes_cache_and_routes_rows():
     slot_mapping[row_S] = slots_S[6]
     slot_mapping[row_C] = slots_C[3]
 
-    # dense batch: A (3 queries, context 5) and C (1 query, context 4), Qmax 3, Lmax 5
+    # dense batch: A (3 queries, context 5) and C (1 query, context 4), Qmax 3, Lmax 6 (three whole blocks)
     q_index = torch.tensor([[0, 2, 4], [3, 0, 0]])
     q_valid = torch.tensor([[True, True, True], [True, False, False]])
-    kv_slots = torch.stack([slots_A, torch.cat([slots_C, slots_C[:1]])])
-    dense_index = kv_slots[:, None, :] * N_KV + torch.arange(N_KV)[None, :, None]     # [Bd, n_kv, Lmax]
+    block_table = torch.stack([table_A, torch.cat([table_C, table_C[:1]])])          # C padded with a valid block
     q_pos = torch.tensor([[2, 3, 4], [3, 0, 0]])
-    kv_pos = torch.arange(5)
+    kv_pos = torch.arange(6)
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
     mask &= q_valid[:, :, None] | (kv_pos[None, None, :] == 0)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
     valid_flat = q_valid.flatten().nonzero().flatten()           # real queries in the padded [Bd * Qmax] layout
     valid_rows = q_index.flatten()[valid_flat]
-    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, dense_index, mask, score_weight=weight,
-                       scores=torch.full((Lyr, 2, N_KV, 5), -1.0))
+    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask, score_weight=weight,
+                       scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
     kv_index = torch.zeros(Lyr, 1, N_KV, 4, dtype=torch.long)
@@ -238,7 +239,7 @@ def test_attend_with_context_writes_cache_and_routes_rows():
         kv_index[layer, 0, j, :3] = slots_S[positions] * N_KV + j
         kv_index[layer, 0, j, 3] = 7 * N_KV + j              # padding: some other valid slot
     sparse = SparseBatch(torch.tensor([row_S]), kv_index, torch.tensor([[True, True, True, False]]))
-    ctx = AttentionContext(k_cache, v_cache, slot_mapping, dense=dense, sparse=sparse)
+    ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, dense=dense, sparse=sparse)
 
     out = attend(layer, q, k, v, ctx)
     assert out.shape == (T, H, D)
@@ -253,14 +254,14 @@ def test_attend_with_context_writes_cache_and_routes_rows():
 
     # dense rows: A's tokens attend causally over A's (updated) context
     KA, VA = k_cache[layer, slots_A], v_cache[layer, slots_A]                      # [5, n_kv, D]
-    score_ref = torch.zeros(N_KV, 5, dtype=torch.float64)
+    score_ref = torch.zeros(N_KV, 6, dtype=torch.float64)
     for i, row in enumerate(rows_A):
         for h in range(H):
             o, p = ref_attention_row(q[row, h], KA[:, h // G], VA[:, h // G], list(range(2 + i + 1)))
             assert torch.allclose(out[row, h].double(), o, atol=TOL), ("A", i, h)
-            score_ref[h // G] += p / 3 / G
+            score_ref[h // G, :5] += p / 3 / G
     KC, VC = k_cache[layer, slots_C], v_cache[layer, slots_C]
-    score_ref_C = torch.zeros(N_KV, 5, dtype=torch.float64)
+    score_ref_C = torch.zeros(N_KV, 6, dtype=torch.float64)
     for h in range(H):
         o, p = ref_attention_row(q[row_C, h], KC[:, h // G], VC[:, h // G], list(range(4)))
         assert torch.allclose(out[row_C, h].double(), o, atol=TOL), ("C", h)
@@ -288,14 +289,13 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     cfg = model.config
     T = 10
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
-    slots = torch.randperm(16, generator=torch.Generator().manual_seed(1))[:T]
+    slots = blocks = torch.randperm(16, generator=torch.Generator().manual_seed(1))[:T]
     k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
-    kv_index = slots[None, None, :] * cfg.num_kv_heads + torch.arange(cfg.num_kv_heads)[None, :, None]
-    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, kv_index,
+    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, blocks[None],
                        (pos[None, :] <= pos[:, None])[None])
-    ctx = AttentionContext(k_cache, v_cache, slots, dense=dense)
+    ctx = AttentionContext(k_cache, v_cache, slots, 1, dense=dense)                  # blocks of one slot
     with torch.inference_mode():
         logits = model.logits(model(ids, pos, ctx))
     assert torch.allclose(logits, model.full_logits(ids), atol=1e-4)

@@ -11,7 +11,7 @@ highest. That costs a full attention pass per draft (the very thing drafting avo
 
 This script measures the gap directly. It decodes the prompt of tutorial 01 greedily with `pillar` (budget 32
 positions per layer and KV head, about a tenth of the context; k = 8) and captures at every verification, per layer,
-KV head and query row, the exact attention probabilities (wrapping `pillar_attn.pillar_scores`) and the selection
+KV head and query row, the exact attention probabilities (wrapping the score pass `pillar_attn.pillar_scores`) and the selection
 the engine made (wrapping `pillar_attn.select_pillar`). A verification's row j is draft step j's query computed
 exactly, so for every cycle and draft step the script can say how much of that step's attention the drafter saw:
 the attention mass on its selection plus the positions written since the verification, averaged over layers and KV
@@ -65,10 +65,11 @@ def capture_rows():
         mean, max  [L, n_kv, R, Lmax] attention probabilities of each scored row, mean / max over the GQA group
         scores     [L, n_kv, Lmax] what the engine ranked (the rows' mean), selection [L, n_kv, B] what it chose
         context    the verified context after the verification (the selection's positions are below it)
-    Both wrapped functions are called through the module, so the engine's own computation runs unchanged.
+    Both wrapped functions are called through the module (the score pass through its kernel table, where
+    `compile_kernels` would swap in a compiled one), so the engine's own computation runs unchanged.
     """
     records, layers = [], []
-    orig_scores, orig_select = pillar_attn.pillar_scores, pillar_attn.select_pillar
+    orig_scores, orig_select = pillar_attn._kernels["scores"], pillar_attn.select_pillar
 
     def scores(q, k, mask, score_weight, *rest):                       # called once per layer
         rows = score_weight[0].nonzero().flatten()                      # scored rows of the one request
@@ -88,11 +89,11 @@ def capture_rows():
         layers.clear()
         return chosen
 
-    pillar_attn.pillar_scores, pillar_attn.select_pillar = scores, select
+    pillar_attn._kernels["scores"], pillar_attn.select_pillar = scores, select
     try:
         yield records
     finally:
-        pillar_attn.pillar_scores, pillar_attn.select_pillar = orig_scores, orig_select
+        pillar_attn._kernels["scores"], pillar_attn.select_pillar = orig_scores, orig_select
 
 
 def seen(probs: torch.Tensor, positions: torch.Tensor, window: range) -> tuple[float, float, float]:
