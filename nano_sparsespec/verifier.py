@@ -97,6 +97,7 @@ class SamplingTensors:
     greedy: torch.Tensor        # Bool[N]
     use_filter: bool = True     # host flag: some row may use top-k or top-p (False: skip the sort)
     all_greedy: bool = False    # host flag: every row is greedy (skip rejection sampling)
+    any_greedy: bool = True     # host flag: some row may be greedy (False: skip the one-hot / argmax passes)
 
     @classmethod
     def from_params(cls, params_list: list[SamplingParams], seeds: list[int], device=None) -> "SamplingTensors":
@@ -116,12 +117,13 @@ class SamplingTensors:
             greedy=to_device(greedy, torch.bool, device),
             use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
         )
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. k+1 verify rows per request)."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
-                               self.greedy[index], self.use_filter, self.all_greedy)
+                               self.greedy[index], self.use_filter, self.all_greedy, self.any_greedy)
 
     def __len__(self) -> int:
         return self.seed.shape[0]
@@ -151,15 +153,21 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits Float[N, V] (any float dtype) -> probs Float[N, V] (float32); greedy rows one-hot at torch.argmax."""
     logits = logits.float()                                                   # [N, V]
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()   # [N, V] greedy rows
     if st.all_greedy:                                                         # cheap path: no softmax
-        return one_hot
+        return _one_hot_argmax(logits)
     temperature = torch.where(st.greedy, 1.0, st.temperature)                 # [N], avoid 0-division on greedy rows
     logits = logits / temperature[:, None]                                    # [N, V]
     if st.use_filter:
         logits = _top_k_top_p(logits, st.top_k, st.top_p)
     probs = logits.softmax(-1)                                                # [N, V]
-    return torch.where(st.greedy[:, None], one_hot, probs)
+    if not st.any_greedy:                                                     # every row samples: no one-hot pass
+        return probs
+    return torch.where(st.greedy[:, None], _one_hot_argmax(logits), probs)
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Float[N, V] -> Float[N, V]: 1 at each row's torch.argmax, 0 elsewhere (greedy rows)."""
+    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -178,6 +186,8 @@ def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, sa
     if st.all_greedy:
         return probs.argmax(-1)
     u = uniform(st.seed, positions, salt)                                     # [N]
+    if not st.any_greedy:
+        return _inverse_cdf(probs, u)
     return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u))
 
 

@@ -6,6 +6,7 @@ Statistics: every chi-square test runs at significance alpha = 1e-3 (a correct i
 1000), but all seeds are fixed, so each test is deterministic. The critical value comes from the Wilson–Hilferty
 approximation of the chi-square quantile (no scipy).
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -132,6 +133,20 @@ def test_sampling_tensors():
     r = st.rows(torch.tensor([0, 0, 1]))
     assert len(r) == 3 and r.seed.tolist() == [5, 5, -3] and r.greedy.tolist() == [False, False, True]
     assert SamplingTensors.from_params([SamplingParams()], [0]).all_greedy
+    assert st.any_greedy and r.any_greedy
+
+
+def test_all_sampled_rows_skip_the_greedy_passes_with_the_same_result():
+    """any_greedy=False (no greedy row) takes a shorter path; it must give what the mixed path gives those rows."""
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.8)]
+    st = SamplingTensors.from_params(params, [4, 9])
+    assert not st.any_greedy and not st.all_greedy
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    mixed = dataclasses.replace(st, any_greedy=True)
+    positions = torch.tensor([3, 7])
+    assert torch.equal(probs_from_logits(logits, st), probs_from_logits(logits, mixed))
+    probs = probs_from_logits(logits, st)
+    assert torch.equal(sample(probs, st, positions, 1), sample(probs, mixed, positions, 1))
     with pytest.raises(ValueError, match="seeds"):
         SamplingTensors.from_params(params, [1])
     with pytest.raises(ValueError, match="None"):
