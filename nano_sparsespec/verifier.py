@@ -155,14 +155,15 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     logits = logits.float()                                                   # [N, V]
     if st.all_greedy:                                                         # cheap path: no softmax
         return _one_hot_argmax(logits)
+    greedy_probs = _one_hot_argmax(logits) if st.any_greedy else None         # [N, V] for the greedy rows
     temperature = torch.where(st.greedy, 1.0, st.temperature)                 # [N], avoid 0-division on greedy rows
     logits = logits / temperature[:, None]                                    # [N, V]
     if st.use_filter:
         logits = _top_k_top_p(logits, st.top_k, st.top_p)
     probs = logits.softmax(-1)                                                # [N, V]
-    if not st.any_greedy:                                                     # every row samples: no one-hot pass
+    if greedy_probs is None:                                                  # every row samples: no one-hot pass
         return probs
-    return torch.where(st.greedy[:, None], _one_hot_argmax(logits), probs)
+    return torch.where(st.greedy[:, None], greedy_probs, probs)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
