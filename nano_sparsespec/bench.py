@@ -544,7 +544,8 @@ def time_split(model: CausalLM, device: torch.device):
 
 class StepProfiler:
     """One plain, one draft and one verification step of `batch` requests that each hold `context` cached
-    positions, run through the engine's `ModelRunner` (the kernels and host work a real step uses)."""
+    positions, run through the engine's `ModelRunner` (the kernels and host work a real step uses); and the mixed
+    step of balanced batching, where one request in k + 1 verifies while the others draft."""
 
     def __init__(self, model: CausalLM, batch: int, context: int, stride: int, device: torch.device,
                  dtype: torch.dtype, budget_ratio: float, min_budget: int, temperature: float, seed: int = 0,
@@ -577,42 +578,51 @@ class StepProfiler:
             self.runner.set_selection(seq, chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values)
         self.bm = byte_model(model, dtype)
 
-    def _run(self, runner: ModelRunner, kind: str, n_tokens: int, select: bool = False) -> float:
-        for seq in self.seqs:
-            self.cache.append(seq.seq_id, n_tokens)
-            seq.num_drafts = n_tokens - 1 if kind == "verify" else 0
-        works = [Work(seq, kind, self.context, n_tokens) for seq in self.seqs]
+    def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int, select: bool = False) -> float:
+        """Time one step in which the first `n_verify` requests verify `verify_tokens` tokens (a plain step: 1 token)
+        and the others draft one token."""
+        works = [Work(seq, "verify", self.context, verify_tokens) if i < n_verify else
+                 Work(seq, "draft", self.context, 1) for i, seq in enumerate(self.seqs)]
+        for w in works:
+            self.cache.append(w.seq.seq_id, w.num_tokens)
+            w.seq.num_drafts = w.num_tokens - 1 if w.kind == "verify" else 0
         synchronize(self.device)
         start = time.perf_counter()
         result = runner.launch(works)
         if result.verify_works:
             result.fetch()
         if select:   # what the engine does next with a verification: pick the next cycle's critical positions
-            pillar_attn.select_pillar(result.scores, [self.context] * self.batch, [self.budget] * self.batch)
+            pillar_attn.select_pillar(result.scores, [self.context] * n_verify, [self.budget] * n_verify)
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        for seq in self.seqs:
-            self.cache.rollback(seq.seq_id, n_tokens)
-            seq.num_drafts = 0
+        for w in works:
+            self.cache.rollback(w.seq.seq_id, w.num_tokens)
+            w.seq.num_drafts = 0
         return seconds
 
     def plain(self) -> float:
-        return self._run(self.plain_runner, "verify", 1)
+        return self._run(self.plain_runner, self.batch, 1)
 
     def draft(self) -> float:
-        return self._run(self.runner, "draft", 1)
+        return self._run(self.runner, 0, 1)
 
     def verify(self) -> float:
-        return self._run(self.runner, "verify", self.k + 1, select=True)
+        return self._run(self.runner, self.batch, self.k + 1, select=True)
+
+    def mixed(self) -> float:
+        return self._run(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, select=True)
 
     def step_bytes(self) -> dict:
         b, c = self.batch, self.context
+        n_verify = -(-b // (self.k + 1))
         return {"plain": self.bm.step_bytes(b * (c + 1)), "draft": self.bm.step_bytes(b * (self.budget + 1)),
-                "verify": self.bm.step_bytes(b * (c + self.k + 1))}
+                "verify": self.bm.step_bytes(b * (c + self.k + 1)),
+                "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1) + (b - n_verify) * (self.budget + 1))}
 
     def measure(self, reps: int, warmup: int = 1) -> dict:
         out = {}
-        for kind, fn in (("plain", self.plain), ("draft", self.draft), ("verify", self.verify)):
+        for kind, fn in (("plain", self.plain), ("draft", self.draft), ("verify", self.verify),
+                         ("mixed", self.mixed)):
             for _ in range(warmup):
                 fn()
             out[kind] = statistics.median(fn() for _ in range(reps))
@@ -691,11 +701,15 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             times = prof.measure(args.profile_reps)
             nbytes = prof.step_bytes()
             entry["budget"] = prof.budget
-            for kind in ("plain", "draft", "verify"):
+            for kind in ("plain", "draft", "verify", "mixed"):
                 entry[kind] = {"ms": round(times[kind] * 1e3, 3), "bytes": nbytes[kind],
                                "gbs": round(nbytes[kind] / times[kind] / 1e9, 2)}
             entry["draft_over_plain"] = round(times["draft"] / times["plain"], 3)
             entry["verify_over_plain"] = round(times["verify"] / times["plain"], 3)
+            # A balanced step against the mean step of lock-step batching (k drafts + 1 verification over k + 1
+            # steps): the same work per request, spread differently. Above 1: balancing costs time.
+            lockstep_mean = (args.stride * times["draft"] + times["verify"]) / (args.stride + 1)
+            entry["mixed_over_lockstep_mean"] = round(times["mixed"] / lockstep_mean, 3)
             entry["speedup_at_accepted"] = {f"{a:g}": round(speedup_model(times["plain"], times["draft"],
                                                                           times["verify"], args.stride, a), 3)
                                             for a in accepted}
@@ -760,9 +774,11 @@ def same_as_plain(r: dict) -> str:
 def profile_markdown(profile: list[dict], stride: int) -> str:
     accepted = next((list(e["speedup_at_accepted"]) for e in profile if "speedup_at_accepted" in e), [])
     head = ("| model | batch x ctx | dtype | plain ms (GB/s) | draft ms (GB/s) | verify ms (GB/s) | draft / plain "
-            "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) + " |")
-    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions):", "", head,
-             "|" + "---|" * (8 + len(accepted))]
+            "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) +
+            " | mixed ms | mixed / lock-step mean |")
+    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; mixed: the balanced "
+             f"step, 1 request in {stride + 1} verifying, the others drafting):", "", head,
+             "|" + "---|" * (10 + len(accepted))]
     for e in profile:
         shape = f"{e['batch']} x {e['context']}"
         if "skipped" in e:
@@ -771,7 +787,8 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
         cells = [f"{e[k]['ms']:.2f} ({e[k]['gbs']:.1f})" for k in ("plain", "draft", "verify")]
         speed = [f"{e['speedup_at_accepted'][a]:.2f}x" for a in accepted]
         lines.append(f"| {e['model']} | {shape} | {e['dtype']} | " + " | ".join(cells) +
-                     f" | {e['draft_over_plain']:.2f} | {e['verify_over_plain']:.2f} | " + " | ".join(speed) + " |")
+                     f" | {e['draft_over_plain']:.2f} | {e['verify_over_plain']:.2f} | " + " | ".join(speed) +
+                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} |")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
         lines += ["", "Where one plain step's time goes (ms; each part timed between synchronisations):", "",

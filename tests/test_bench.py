@@ -134,7 +134,8 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
             assert e[kind]["ms"] > 0 and e[kind]["gbs"] > 0
         bm_kv = e["plain"]["bytes"] - e["draft"]["bytes"]
         assert bm_kv == 2 * (48 - 8) * 2 * 2 * 2 * 16 * 4             # batch x (context - budget) x KV bytes
-        assert e["verify"]["bytes"] > e["plain"]["bytes"] > e["draft"]["bytes"]
+        assert e["verify"]["bytes"] > e["plain"]["bytes"] > e["mixed"]["bytes"] > e["draft"]["bytes"]
+        assert e["mixed"]["ms"] > 0 and e["mixed_over_lockstep_mean"] > 0
         assert set(e["speedup_at_accepted"]) == {"1", "3"}
         assert e["speedup_at_accepted"]["3"] > e["speedup_at_accepted"]["1"] > 0
         assert e["plain_breakdown_ms"]["total"] > 0

@@ -1,6 +1,7 @@
 """Step split of the kernel choices behind `--compile`, on a random model of the embedded model's shape (no files
 needed), with CUDA graphs: one plain, one draft and one verification step, each timed whole (host + GPU) and as its
-recorded graph replayed alone (GPU time of the forward).
+recorded graph replayed alone (GPU time of the forward); and the mixed step of balanced batching (one request in
+k + 1 verifying, the others drafting; added after this session's H200 run).
 
 Modes: `eager` (the readable path); `compile` (what `--compile` does: fused elementwise ops, compiled sparse kernel
 and PillarAttn score pass, SDPA for dense attention); `compile-no-scores` (the same with the score pass left eager).
@@ -37,14 +38,14 @@ for mode in ("eager", "compile", "compile-no-scores"):
         pillar_attn._kernels["scores"] = pillar_attn.pillar_scores
     prof = StepProfiler(model, batch, context, 8, device, dtype, 0.05, 128, 0.6, cuda_graphs=True)
     for kind, fn, runner in (("plain", prof.plain, prof.plain_runner), ("draft", prof.draft, prof.runner),
-                             ("verify", prof.verify, prof.runner)):
+                             ("verify", prof.verify, prof.runner), ("mixed", prof.mixed, prof.runner)):
         fn()
         whole = statistics.median(fn() for _ in range(7))
         line = f"{mode:17s} {kind:6s} {batch}x{context}: step {whole * 1e3:7.2f} ms"
         if device.type == "cuda":
-            step = next(s for s in runner.graphs.steps.values()
-                        if (s.bucket.sparse_batch > 0) == (kind == "draft") and
-                        (s.bucket.dense_queries > 1) == (kind == "verify"))
+            step = next(s for s in runner.graphs.steps.values()             # the bucket this kind of step used
+                        if (s.bucket.sparse_batch > 0) == (kind in ("draft", "mixed")) and
+                        (s.bucket.dense_queries > 1) == (kind in ("verify", "mixed")))
             synchronize()
             t = time.perf_counter()
             for _ in range(20):
