@@ -110,14 +110,22 @@ def dense_attention(q, k, v, mask, score_weight=None):
 
 def pillar_scores(q, k, mask, score_weight):
     """Attention probabilities summed over query rows (weighted) and averaged over each GQA group -> [B, n_kv, L]."""
+    probs = attention_probs(q, k, mask)                                                # [B, n_kv, G, Q, L]
+    return torch.einsum("bhgql,bq->bhl", probs, score_weight.float()) / probs.shape[2]
+
+
+def attention_probs(q, k, mask):
+    """Explicit float32 attention probabilities, grouped by KV head.
+
+    q: [B, Q, n_heads, D]; k: [B, L, n_kv, D]; mask: [B, Q, L] bool -> [B, n_kv, G, Q, L] (G query heads per KV head)
+    """
     B, Q, H, D = q.shape
     n_kv = k.shape[2]
     G = H // n_kv
     q = q.view(B, Q, n_kv, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, G * Q, D)   # rows ordered (head, query)
     logits = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * D ** -0.5             # [B, n_kv, G*Q, L]
     logits = logits.view(B, n_kv, G, Q, -1).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = logits.softmax(dim=-1)                                                     # [B, n_kv, G, Q, L]
-    return torch.einsum("bhgql,bq->bhl", probs, score_weight.float()) / G
+    return logits.softmax(dim=-1)
 
 
 def sparse_attention(q, k, v, valid):

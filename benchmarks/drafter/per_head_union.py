@@ -17,13 +17,8 @@ from nano_sparsespec import acceptance, pillar_attn
 
 def union_scores(q, k, mask, score_weight):
     """Same inputs as pillar_attn.pillar_scores -> [B, n_kv, L] whose descending order is the round-robin union."""
-    B, Q, H, D = q.shape
-    n_kv = k.shape[2]
-    G = H // n_kv
-    q = q.view(B, Q, n_kv, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, G * Q, D)   # rows ordered (head, query)
-    logits = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * D ** -0.5             # [B, n_kv, G*Q, L]
-    logits = logits.view(B, n_kv, G, Q, -1).masked_fill(~mask[:, None, None], float("-inf"))
-    per_head = torch.einsum("bhgql,bq->bhgl", logits.softmax(dim=-1), score_weight.float())   # [B, n_kv, G, L]
+    probs = pillar_attn.attention_probs(q, k, mask)                                   # [B, n_kv, G, Q, L]
+    per_head = torch.einsum("bhgql,bq->bhgl", probs, score_weight.float())            # [B, n_kv, G, L]
     order = per_head.sort(dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
     best_rank = rank.min(dim=2).values.float()                                       # [B, n_kv, L]
