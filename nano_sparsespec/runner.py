@@ -224,7 +224,8 @@ class ModelRunner:
         result = self._verify(hidden, checks)
         if wants_scores and checks:
             dense_index = {id(w): i for i, (w, _) in enumerate(dense)}
-            result.scores = ctx.dense.scores[:, [dense_index[id(w)] for w, _ in checks]]
+            # a device index: indexing with a Python list would copy it from pageable memory, waiting for the forward
+            result.scores = ctx.dense.scores[:, self._dev([dense_index[id(w)] for w, _ in checks])]
         result.works = works
         return result
 

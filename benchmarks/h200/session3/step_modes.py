@@ -5,7 +5,7 @@ k + 1 verifying, the others drafting; added after this session's H200 run).
 
 Modes: `eager` (the readable path); `compile` (what `--compile` does: fused elementwise ops, compiled sparse kernel
 and PillarAttn score pass, SDPA for dense attention); `compile-no-scores` (the same with the score pass left eager).
-Usage: python benchmarks/h200/session3/step_modes.py BATCH CONTEXT [DEVICE]"""
+Usage: python benchmarks/h200/session3/step_modes.py BATCH CONTEXT [DEVICE [MODE,MODE...]]"""
 import statistics
 import sys
 import time
@@ -30,8 +30,9 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-for mode in ("eager", "compile", "compile-no-scores"):
-    if mode == "compile":
+modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["eager", "compile", "compile-no-scores"]
+for mode in modes:
+    if mode.startswith("compile"):
         pillar_attn.compile_kernels()
         model_ops.compile_elementwise()
     if mode == "compile-no-scores":
