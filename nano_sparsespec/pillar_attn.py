@@ -16,7 +16,8 @@ Owns
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the PillarAttn score pass and the sparse draft kernel
-    (same math); dense attention itself always runs torch's fused SDPA.
+    (same math; the sparse one written so that its gathers fuse into the kernel); dense attention itself always runs
+    torch's fused SDPA.
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
 """
@@ -87,9 +88,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
     if ctx.sparse is not None:
         s = ctx.sparse
         head_dim = q.shape[-1]
-        keys = gather_rows(ctx.k_cache[layer].view(-1, head_dim), s.kv_index[layer])     # [Bs, n_kv, S, D]
-        values = gather_rows(ctx.v_cache[layer].view(-1, head_dim), s.kv_index[layer])
-        out[s.q_index] = _kernels["sparse"](q[s.q_index], keys, values, s.valid)
+        out[s.q_index] = _kernels["sparse"](q[s.q_index], ctx.k_cache[layer].view(-1, head_dim),
+                                            ctx.v_cache[layer].view(-1, head_dim), s.kv_index[layer], s.valid)
     return out
 
 
@@ -168,28 +168,49 @@ def attention_logits(q, k, mask):
     return logits.view(B, n_kv, H // n_kv, Q, -1).masked_fill(~mask[:, None, None], float("-inf"))
 
 
-def sparse_attention(q, k, v, valid):
+def sparse_attention(q, k_rows, v_rows, index, valid):
     """Each query attends to its own gathered positions.
 
-    q: [B, n_heads, D]; k, v: [B, n_kv, S, D] (gathered per KV head); valid: [B, S] bool -> [B, n_heads, D]
+    q: [B, n_heads, D]; k_rows, v_rows: [slots * n_kv, D] one layer's pool, a row per (slot, KV head);
+    index: [B, n_kv, S] the rows each KV head of each query attends to; valid: [B, S] bool -> [B, n_heads, D]
     """
     B, H, D = q.shape
-    n_kv = k.shape[1]
+    n_kv = index.shape[1]
+    k, v = gather_rows(k_rows, index), gather_rows(v_rows, index)                        # [B, n_kv, S, D]
     q = q.view(B, n_kv, H // n_kv, D)                                                  # [B, n_kv, G, D]
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [B, n_kv, G, S]
     probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
     return torch.matmul(probs.to(v.dtype), v).reshape(B, H, D)
 
 
+def sparse_attention_fused(q, k_rows, v_rows, index, valid):
+    """`sparse_attention` written for the compiler (same arguments and math, float32 sums): elementwise products and
+    sums instead of matmuls over gathered K and V, so that compiled, each gather becomes an indirect load inside the
+    reduction that consumes it and the gathered K and V are never stored. On the H200 (128 drafts x 137 positions,
+    one layer) compiled it takes 0.109 ms against 0.215 for the gathers plus the compiled matmul form
+    (benchmarks/h200/session4/step_anatomy.py sparse). Eager it would store a [B, n_kv, G, S, D] product: it is
+    only used compiled."""
+    B, H, D = q.shape
+    n_kv = index.shape[1]
+    queries = q.view(B, n_kv, H // n_kv, 1, D).float()                                 # [B, n_kv, G, 1, D]
+    keys = gather_rows(k_rows, index)[:, :, None].float()                              # [B, n_kv, 1, S, D]
+    logits = (queries * keys).sum(-1) * D ** -0.5                                      # [B, n_kv, G, S]
+    probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
+    values = gather_rows(v_rows, index)[:, :, None].float()                            # [B, n_kv, 1, S, D]
+    return (probs[..., None] * values).sum(-2).to(q.dtype).reshape(B, H, D)
+
+
 _kernels = {"scores": pillar_scores, "sparse": sparse_attention}
 
 
 def compile_kernels() -> None:
-    """Swap in torch.compile'd versions of the score pass and the sparse kernel (dynamic shapes; same results within
-    float tolerance). SDPA is left alone: compiled, dense attention ran 2x slower than cuDNN's on the H200 and hit
-    dynamo's recompile limit (BENCHMARKS.md, H200 second session)."""
+    """Swap in torch.compile'd versions of the score pass and the sparse kernel, the latter in its fused form
+    (dynamic shapes; same results within float tolerance). Made for the GPU: on the CPU the compiled fused sparse
+    kernel is slower than the eager one (0.92 against 0.37 ms per layer at 8 x 1,024, step_anatomy.py sparse cpu).
+    SDPA is left alone: compiled, dense attention ran 2x slower than cuDNN's on the H200 and hit dynamo's recompile
+    limit (BENCHMARKS.md, H200 second session)."""
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
+    _kernels["sparse"] = torch.compile(sparse_attention_fused, dynamic=True)
 
 
 def use_eager_kernels() -> None:

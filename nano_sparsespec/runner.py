@@ -61,6 +61,9 @@ class ModelRunner:
         # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
         self.context_tokens = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [rows, capacity]
         self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
+        # each row's block table mirrored on the device, so a step sends only the entries that changed
+        self.block_tables = torch.zeros(rows, 0, dtype=torch.long, device=self.device)    # [rows, capacity]
+        self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * rows                # (seq_id, table as sent)
 
     # --- critical positions ------------------------------------------------------------------------------------------
     def set_selection(self, seq: Sequence, positions: torch.Tensor) -> None:
@@ -92,11 +95,30 @@ class ModelRunner:
     def _dev(self, data, dtype=torch.long) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Padded block tables [B, max_blocks] (on the device) of these requests."""
+    def _block_tables(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
+        """Block tables [B, max_blocks] (on the device) of these requests, whose rows are `rows` [B] (device).
+
+        The device copy is brought up to date first, sending only what changed since a row's last step: a table only
+        changes at its end (append adds blocks, rollback drops them), so usually nothing or one new block. Columns
+        past a request's own table hold stale but valid block ids (masked by the context length, like padding)."""
         tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
         width = max(len(t) for t in tables)
-        return self._dev([t + [0] * (width - len(t)) for t in tables])
+        if width > self.block_tables.shape[1]:
+            grown = torch.zeros(self.block_tables.shape[0], max(width, 2 * self.block_tables.shape[1]),
+                                dtype=torch.long, device=self.device)
+            grown[:, :self.block_tables.shape[1]] = self.block_tables
+            self.block_tables = grown
+        changes = []                                                                    # (row, column, block)
+        for seq, table in zip(seqs, tables):
+            owner, sent = self.tables_sent[seq.row]
+            if owner != seq.seq_id or sent != table:
+                same = _common_prefix(sent, table) if owner == seq.seq_id else 0
+                changes += [(seq.row, j, table[j]) for j in range(same, len(table))]
+                self.tables_sent[seq.row] = (seq.seq_id, list(table))
+        if changes:
+            row, column, block = self._dev(changes).unbind(1)
+            self.block_tables[row, column] = block
+        return self.block_tables[rows, :width]
 
     def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pool slots of positions [B, ...] of the requests whose padded block tables are `tables` [B, max_blocks]."""
@@ -120,7 +142,8 @@ class ModelRunner:
         q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
         mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
         mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
-        block_table = self._block_tables([w.seq for w in dense])[:, :num_blocks]        # [Bd, Lmax / block]
+        seq_rows = self._dev([w.seq.row for w in dense])
+        block_table = self._block_tables([w.seq for w in dense], seq_rows)[:, :num_blocks]   # [Bd, Lmax / block]
         batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask)
         if any(with_scores):
             # Verification rows all count; after a last prefill chunk only its last row does.
@@ -138,8 +161,8 @@ class ModelRunner:
         sel_max, win_max = max(self.selection_len[s.row] for s in seqs), max(windows)
         n_sel = self._dev([self.selection_len[s.row] for s in seqs])                    # [Bs]
         n_win = self._dev(windows)                                                      # [Bs]
-        tables = self._block_tables(seqs)
         rows, verified = self._dev([s.row for s in seqs]), self._dev([s.num_verified for s in seqs])   # [Bs]
+        tables = self._block_tables(seqs, rows)
         sel_pos = self.selection[rows, :, :, :sel_max]                                  # [Bs, L, n_kv, Nsel]
         sel_valid = torch.arange(sel_max, device=self.device)[None] < n_sel[:, None]   # [Bs, Nsel]
         if self.spec.method == "pillar-lookup":
@@ -274,3 +297,11 @@ class ModelRunner:
         out = verifier.verify(target, draft_tokens, draft_probs, self._dev(num_drafts), st, first_position)
         return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
                           draft_tokens, None)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:          # the usual case, compared at C speed
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

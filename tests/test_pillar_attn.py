@@ -8,7 +8,8 @@ import torch
 
 from nano_sparsespec import pillar_attn as pa
 from nano_sparsespec.pillar_attn import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
-                                         pillar_scores, select_pillar, select_streaming, sparse_attention)
+                                         pillar_scores, select_pillar, select_streaming, sparse_attention,
+                                         sparse_attention_fused)
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
 G = H // N_KV
@@ -131,7 +132,19 @@ def test_dense_attention_head_to_kv_group_mapping():
 # --------------------------------------------------------------------------------------------------------------------
 # Sparse attention
 
-def test_sparse_attention_equals_masked_dense():
+def pool_rows(K, V, idx, valid, garbage_k=100.0, garbage_v=1e4):
+    """One layer's pool as rows per (slot, KV head) for contexts K, V [B, Lctx, n_kv, D], and the row index [B, n_kv, S]
+    of positions idx [B, n_kv, S]; padding entries (valid False) point at a last row of garbage that would dominate
+    if it were not masked."""
+    B, Lctx, n_kv, D = K.shape
+    k_rows = torch.cat([K.reshape(-1, D), torch.full((1, D), garbage_k)])
+    v_rows = torch.cat([V.reshape(-1, D), torch.full((1, D), garbage_v)])
+    index = (torch.arange(B)[:, None, None] * Lctx + idx) * n_kv + torch.arange(n_kv)[None, :, None]
+    return k_rows, v_rows, index.where(valid[:, None, :], len(k_rows) - 1)
+
+
+@pytest.mark.parametrize("kernel", [sparse_attention, sparse_attention_fused])
+def test_sparse_attention_equals_masked_dense(kernel):
     g = torch.Generator().manual_seed(1)
     B, Lctx, S = 3, 12, 5
     q = torch.randn(B, H, D, generator=g) * 2
@@ -143,12 +156,7 @@ def test_sparse_attention_equals_masked_dense():
         for j in range(N_KV):                                # a different set per KV head
             idx[b, j] = torch.randperm(Lctx, generator=g)[:S]
     valid = torch.arange(S)[None] < torch.tensor(n_valid)[:, None]              # [B, S]
-    k = torch.stack([torch.stack([K[b, idx[b, j], j] for j in range(N_KV)]) for b in range(B)])   # [B, n_kv, S, D]
-    v = torch.stack([torch.stack([V[b, idx[b, j], j] for j in range(N_KV)]) for b in range(B)])
-    # padding entries hold garbage that would dominate if it were not masked
-    k[~valid[:, None, :].expand(B, N_KV, S)] = 100.0
-    v[~valid[:, None, :].expand(B, N_KV, S)] = 1e4
-    out = sparse_attention(q, k, v, valid)
+    out = kernel(q, *pool_rows(K, V, idx, valid), valid)
     assert out.shape == (B, H, D)
     for b in range(B):
         for h in range(H):
@@ -165,9 +173,9 @@ def test_sparse_attention_full_set_is_dense_attention():
     """A draft that gathers every position equals a dense decode step over the same context."""
     q_all, k, v, mask, _ = make_padded_batch([1], [9], seed=2)
     dense_out, _ = dense_attention(q_all, k, v, mask)
-    gathered_k = k.permute(0, 2, 1, 3)                       # [1, n_kv, L, D]
-    gathered_v = v.permute(0, 2, 1, 3)
-    out = sparse_attention(q_all[:, 0], gathered_k, gathered_v, torch.ones(1, 9, dtype=torch.bool))
+    every = torch.arange(9).expand(1, N_KV, 9)
+    valid = torch.ones(1, 9, dtype=torch.bool)
+    out = sparse_attention(q_all[:, 0], *pool_rows(k, v, every, valid), valid)
     assert torch.allclose(out, dense_out[:, 0], atol=TOL)
 
 
@@ -440,16 +448,17 @@ def test_compiled_kernels_match_eager():
     q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens, seed=8)
     weight = q_valid.float() / q_valid.sum(1, keepdim=True)
     g = torch.Generator().manual_seed(9)
-    sq, sk, sv = torch.randn(3, H, D, generator=g), torch.randn(3, N_KV, 6, D, generator=g), torch.randn(3, N_KV, 6, D, generator=g)
+    sq, sK, sV = torch.randn(3, H, D, generator=g), torch.randn(3, 8, N_KV, D, generator=g), torch.randn(3, 8, N_KV, D, generator=g)
     svalid = torch.arange(6)[None] < torch.tensor([6, 4, 2])[:, None]
+    sparse_args = (sq, *pool_rows(sK, sV, torch.randint(0, 8, (3, N_KV, 6), generator=g), svalid), svalid)
     eager_out, eager_scores = dense_attention(q, k, v, mask, weight)
-    eager_sparse = sparse_attention(sq, sk, sv, svalid)
+    eager_sparse = sparse_attention(*sparse_args)
 
     pa.compile_kernels()
     try:
         assert pa._kernels["scores"] is not pillar_scores and pa._kernels["sparse"] is not sparse_attention
         out, scores = dense_attention(q, k, v, mask, weight)      # SDPA + the compiled score pass
-        sparse_out = pa._kernels["sparse"](sq, sk, sv, svalid)
+        sparse_out = pa._kernels["sparse"](*sparse_args)
     finally:
         pa.use_eager_kernels()
     assert torch.allclose(out[q_valid], eager_out[q_valid], atol=1e-4)

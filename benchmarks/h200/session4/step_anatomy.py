@@ -135,23 +135,15 @@ if part == "sparse":
     q = torch.randn(batch, n_kv * G, D, device=device, dtype=dtype, generator=g)
     gathered = 2 * index.numel() * D * k_pool.element_size()
     kernel = torch.compile(pillar_attn.sparse_attention, dynamic=True)
-
-    def fused(q, k_pool, v_pool, index, valid):
-        """Gather inside the compiled kernel: elementwise products and sums instead of matmuls over gathered K/V."""
-        qg = q.view(batch, n_kv, G, 1, D).float()
-        logits = (qg * k_pool[index][:, :, None].float()).sum(-1) * D ** -0.5            # [B, n_kv, G, S]
-        probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
-        return (probs[..., None] * v_pool[index][:, :, None].float()).sum(-2).to(q.dtype).reshape(batch, -1, D)
-
-    fused_kernel = torch.compile(fused, dynamic=False)
+    fused_kernel = torch.compile(pillar_attn.sparse_attention_fused, dynamic=True)
     variants = {
         "gather []": lambda: (k_pool[index], v_pool[index]),
         "gather index_select": lambda: (k_pool.index_select(0, index.flatten()), v_pool.index_select(0, index.flatten())),
         "gather [] int32": lambda: (k_pool[index.int()], v_pool[index.int()]),
-        "gather [] + compiled sparse_attention": lambda: kernel(q, k_pool[index], v_pool[index], valid),
+        "gather [] + compiled sparse_attention": lambda: kernel(q, k_pool, v_pool, index, valid),
         "compiled fused gather+attention": lambda: fused_kernel(q, k_pool, v_pool, index, valid),
     }
-    ref = kernel(q, k_pool[index], v_pool[index], valid).float()
+    ref = kernel(q, k_pool, v_pool, index, valid).float()
     print(f"fused vs gather+sparse max abs diff {(fused_kernel(q, k_pool, v_pool, index, valid).float() - ref).abs().max().item():.3g}")
     for name, fn in variants.items():
         ms = timed(fn)
