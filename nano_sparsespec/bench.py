@@ -148,6 +148,17 @@ def kv_position_counter():
         async_loop.Engine._record_step = original
 
 
+def _left_padded(token_ids: list[list[int]], device) -> dict:
+    """input_ids and attention_mask [B, width] of these prompts, left-padded with 0 (as `generate` takes them)."""
+    width = max(len(t) for t in token_ids)
+    input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(token_ids):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        mask[i, width - len(ids):] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
 def hf_kv_positions(prompt_lens: list[int], output_lens: list[int]) -> int:
     """KV positions transformers' batched generate must read (without its padding): a request of p prompt tokens
     that writes n tokens reads p positions in the prefill step, then p + t at decode step t = 1 .. n-1."""
@@ -280,9 +291,9 @@ def git_state() -> dict | None:
 # ----------------------------------------------------------------------------------------------------------------------
 # The workload
 
-def load_workload(llm: LLM, path: str | Path, field: str, batch_size: int, chat_template: bool,
+def load_workload(llm: LLM, path: str | Path, field: str, num_requests: int, chat_template: bool,
                   max_prompt_tokens: int = 256) -> tuple[list[str], list[list[int]]]:
-    """Prompts cycled to `batch_size`, and their token ids (chat template applied).
+    """Prompts cycled to `num_requests`, and their token ids (chat template applied).
 
     A model directory without a tokenizer (a random test checkpoint) gets a stand-in encoding: each character's code
     point modulo the vocabulary.
@@ -292,7 +303,7 @@ def load_workload(llm: LLM, path: str | Path, field: str, batch_size: int, chat_
     prompts = read_prompts_file(str(path), field)
     if not prompts:
         raise ValueError(f"no prompts in {str(path)!r}")
-    prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
+    prompts = [prompts[i % len(prompts)] for i in range(num_requests)]
     if llm.tokenizer is None:
         print(f"note: {llm.model_path} has no tokenizer; prompts are encoded as code points mod vocab",
               file=sys.stderr)
@@ -345,7 +356,8 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
 
 
 def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
-    """transformers `generate` on the same token ids: batched, left-padded, same length and sampling settings."""
+    """transformers `generate` on the same token ids: batched (--batch-size requests at a time, one batch after
+    another), left-padded, same length and sampling settings."""
     from transformers import AutoModelForCausalLM
 
     device = llm.device
@@ -355,29 +367,26 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
         # transformers falls back on the model's own generation_config for unset fields: disable EOS there.
         hf.generation_config.eos_token_id = eos
         hf.config.eos_token_id = eos
-        pad = 0
-        width = max(len(t) for t in token_ids)
-        input_ids = torch.full((len(token_ids), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for i, ids in enumerate(token_ids):   # left padding
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            mask[i, width - len(ids):] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
         config = copy.deepcopy(hf.generation_config)
-        config.update(max_new_tokens=args.max_new_tokens, pad_token_id=pad, do_sample=args.temperature > 0)
+        config.update(max_new_tokens=args.max_new_tokens, pad_token_id=0, do_sample=args.temperature > 0)
         if args.temperature > 0:
             config.update(temperature=args.temperature, top_k=0, top_p=1.0)
         with torch.inference_mode():
             warm = copy.deepcopy(config)
             warm.update(max_new_tokens=4)
-            hf.generate(input_ids=input_ids[:2], attention_mask=mask[:2], generation_config=warm)
+            hf.generate(**_left_padded(token_ids[:2], device), generation_config=warm)
             torch.manual_seed(args.seed)
-            synchronize(device)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            out = hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-            synchronize(device)
-            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    new = out[:, width:].tolist()
+            new, seconds, cpu_seconds, steps = [], 0.0, 0.0, 0
+            for first in range(0, len(token_ids), args.batch_size):   # more requests than --batch-size: in turn
+                batch = _left_padded(token_ids[first:first + args.batch_size], device)
+                synchronize(device)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                out = hf.generate(**batch, generation_config=config)
+                synchronize(device)
+                seconds += time.perf_counter() - start
+                cpu_seconds += time.process_time() - cpu_start
+                steps += out.shape[1] - batch["input_ids"].shape[1]
+                new += out[:, batch["input_ids"].shape[1]:].tolist()
     outputs = []
     for row in new:
         if eos is not None:
@@ -387,7 +396,6 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
     if args.ignore_eos and any(len(o) != args.max_new_tokens for o in outputs):
         raise RuntimeError("transformers stopped before max_new_tokens although EOS was disabled")
     lens = [len(o) for o in outputs]
-    steps = max(lens)
     kv = hf_kv_positions([len(t) for t in token_ids], lens)
     weights = sum(p.numel() * p.element_size() for p in hf.parameters())
     del hf
@@ -735,11 +743,17 @@ def _fmt(x, spec=".1f", none="–"):
     return none if x is None else format(x, spec)
 
 
+def _batch_label(settings: dict) -> str:
+    """'128', or '128 (512 requests)' when more requests than slots ran through the batch."""
+    requests = settings.get("num_requests", settings["batch_size"])
+    return f"{settings['batch_size']}" + (f" ({requests} requests)" if requests != settings["batch_size"] else "")
+
+
 def rows_markdown(result: dict) -> str:
     s = result["settings"]
     cpu = s["device"] == "cpu"   # on a CPU, also the speedup in CPU time of this process (robust to other jobs)
     graphs = s.get("cuda_graphs", False)
-    lines = [f"Rows: {result['model']['name']}, {s['device']} {s['dtype']}, batch {s['batch_size']}, "
+    lines = [f"Rows: {result['model']['name']}, {s['device']} {s['dtype']}, batch {_batch_label(s)}, "
              f"{s['max_new_tokens']} new tokens{' (ignore EOS)' if s['ignore_eos'] else ''}, temperature "
              f"{s['temperature']:g}, k = {s['stride']}; peak bandwidth {result['peak_bandwidth_gbs']:.1f} GB/s "
              f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal plain decoding's (and the "
@@ -825,7 +839,7 @@ def plot_rows(result: dict, path: str) -> bool:
                     fontsize=8)
     s = result["settings"]
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{result['model']['name']} · {s['device']} {s['dtype']} · batch {s['batch_size']} · "
+    ax.set_title(f"{result['model']['name']} · {s['device']} {s['dtype']} · batch {_batch_label(s)} · "
                  f"{s['max_new_tokens']} tokens · T={s['temperature']:g}", fontsize=9)
     ax.set_ylim(0, max(tps) * 1.25 if tps else 1)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
@@ -849,7 +863,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          "reasoning prompts)")
     p.add_argument("--prompt-field", default="prompt", help="JSONL field holding the prompt")
     p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--batch-size", type=int, default=8, help="requests (the workload is cycled to fill it)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests running at once (the workload is cycled to "
+                   "fill it)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests in all (default: --batch-size). More than --batch-size is continuous batching: a "
+                        "finished request's slot takes the next waiting one, as a server's would")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="every request writes exactly max-new-tokens")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -910,12 +928,15 @@ def _run(args, argv: list[str]) -> int:
         if args.batch_size < 1 or args.max_new_tokens < 1:
             raise ValueError(f"--batch-size and --max-new-tokens must be >= 1, got {args.batch_size}, "
                              f"{args.max_new_tokens}")
+        args.num_requests = args.batch_size if args.num_requests is None else args.num_requests
+        if args.num_requests < args.batch_size:
+            raise ValueError(f"--num-requests must be >= --batch-size ({args.batch_size}), got {args.num_requests}")
         if not 0 < args.kv_fraction <= 1:
             raise ValueError(f"--kv-fraction must be in (0, 1], got {args.kv_fraction}")
         if args.profile_steps:
             parse_shapes(args.profile_shapes)
         params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                 ignore_eos=args.ignore_eos, seed=args.seed + i) for i in range(args.batch_size)]
+                                 ignore_eos=args.ignore_eos, seed=args.seed + i) for i in range(args.num_requests)]
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget)  # validate early
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                   cuda_graphs=args.cuda_graphs, gguf=args.gguf) \
@@ -932,7 +953,8 @@ def _run(args, argv: list[str]) -> int:
     peak, peak_source, copy_gbs = peak_bandwidth(device, args.peak_bandwidth)
     result = {"command": "python -m nano_sparsespec.bench " + shlex.join(argv),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(device),
-              "settings": {"batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
+              "settings": {"batch_size": args.batch_size, "num_requests": args.num_requests,
+                           "max_new_tokens": args.max_new_tokens,
                            "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
                            "stride": args.stride, "budget_ratio": args.budget_ratio, "min_budget": args.min_budget,
                            "prefill_chunk": args.prefill_chunk, "pillar_method": args.pillar_method,
@@ -953,13 +975,15 @@ def _run(args, argv: list[str]) -> int:
                            "config": {k: v for k, v in vars(llm.model.config).items() if k != "rope_scaling"}}
     if names:
         try:
-            prompts, token_ids = load_workload(llm, args.prompts_file, args.prompt_field, args.batch_size,
+            prompts, token_ids = load_workload(llm, args.prompts_file, args.prompt_field, args.num_requests,
                                                not args.no_chat_template)
         except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         lens = [len(t) for t in token_ids]
-        kv_blocks = args.kv_blocks or default_kv_blocks(lens, args.max_new_tokens, args.stride, 16, args.kv_fraction)
+        running = sorted(lens)[-args.batch_size:]           # the pool serves at most --batch-size requests at once
+        kv_blocks = args.kv_blocks or default_kv_blocks(running, args.max_new_tokens, args.stride, 16,
+                                                        args.kv_fraction)
         result["settings"].update(prompt_tokens=lens, kv_blocks_offload=kv_blocks, rows=names)
         # Warm-up: one short run of our engine so lazy initialisation is not billed to the first row.
         llm.spec = SpecConfig(method="pillar", stride=args.stride, max_batch=args.batch_size)

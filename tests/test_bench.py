@@ -147,3 +147,29 @@ def test_bad_arguments(tiny_qwen3, capsys):
     assert "unknown row 'nonsense'" in capsys.readouterr().err
     assert bench.main(["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "8by1024"]) == 2
     assert "bad profile shape '8by1024'" in capsys.readouterr().err
+
+
+def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
+    """--num-requests > --batch-size: every request runs to the end through the slots (continuous batching for ours,
+    consecutive batches for transformers), and greedy speculation still writes plain decoding's tokens."""
+    argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
+            "--batch-size", "2", "--num-requests", "5", "--max-new-tokens", str(TOKENS), "--ignore-eos",
+            "--stride", str(K), "--min-budget", "8", "--device", "cpu", "--threads", "1",
+            "--rows", "hf,plain,pillar-naive,+async", "--json-out", str(tmp_path / "b.json"),
+            "--md-out", str(tmp_path / "b.md")]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["settings"]["num_requests"] == 5 and len(result["settings"]["prompt_tokens"]) == 5
+    rows = {r["name"]: r for r in result["rows"]}
+    for name, r in rows.items():
+        assert r["tokens"] == 5 * TOKENS, name
+    assert rows["hf"]["steps"] == 3 * TOKENS                       # three batches of at most two, one after another
+    assert rows["plain"]["kv_positions"] == rows["hf"]["kv_positions"]
+    for name in ("pillar-naive", "+async"):
+        assert rows[name]["identical_to_plain"] == "5/5", name
+    assert "batch 2 (5 requests)" in (tmp_path / "b.md").read_text()
+
+
+def test_fewer_requests_than_slots_is_an_error(tiny_qwen3, capsys):
+    assert bench.main(["--model", str(tiny_qwen3[0]), "--batch-size", "4", "--num-requests", "3"]) == 2
+    assert "--num-requests must be >= --batch-size (4), got 3" in capsys.readouterr().err
