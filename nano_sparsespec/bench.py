@@ -347,12 +347,21 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "wall_seconds": seconds, "graphs_recorded": stats.graphs_recorded, "graph_record_seconds": recording,
             "engine_seconds": stats.seconds,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
+            "batch_occupancy": batch_occupancy(stats, spec.max_batch),
             "mean_accepted": summary.get("mean_accepted"), "mean_offered": summary.get("mean_offered"),
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
                 summary.get("acceptance_by_position"),
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
             "peak_memory_bytes": mem.peak_bytes + llm.model.weight_bytes(),
             "token_ids": [o.token_ids for o in outputs]}
+
+
+def batch_occupancy(stats, slots: int) -> float:
+    """Mean share of the batch's slots that decode (draft or verify) in a step, over the run's steps. A lock-step run
+    of one fixed batch falls well below 1 at its end: requests that accept less keep running after the others are
+    done (BENCHMARKS.md, H200 fourth session); --num-requests keeps the slots full until the last requests."""
+    decoding = [v + d for v, d in zip(stats.verifications_per_step, stats.drafts_per_step)]
+    return statistics.mean(decoding) / slots if decoding else 0.0
 
 
 def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
@@ -403,6 +412,7 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"tokens": sum(lens), "seconds": seconds, "cpu_seconds": cpu_seconds, "steps": steps, "kv_positions": kv,
+            "batch_occupancy": None,
             "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None, "verifications": 0,
             "offloads": 0, "restores": 0, "kv_blocks": None, "peak_memory_bytes": mem.peak_bytes,
             "hf_weight_bytes": weights, "token_ids": outputs}
@@ -759,18 +769,19 @@ def rows_markdown(result: dict) -> str:
              f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal plain decoding's (and the "
              f"mean number of leading tokens they share).", "",
              "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
-             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | offloads / restores | = plain |" +
-             (" graphs (record s) |" if graphs else ""),
-             "|---|---:|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|---:|---:|" +
+             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | batch used | offloads / restores |"
+             " = plain |" + (" graphs (record s) |" if graphs else ""),
+             "|---|---:|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|---:|---:|---:|" +
              ("---:|" if graphs else "")]
     for r in result["rows"]:
         acc = None if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f} / {s['stride']}"
         off = f"{r['offloads']} / {r['restores']}" if r["kv_blocks"] else "–"
         share = None if r["roofline_share"] is None else 100 * r["roofline_share"]
+        used = "–" if r.get("batch_occupancy") is None else f"{100 * r['batch_occupancy']:.0f}%"
         cpu_speedup = f" {_fmt(r['speedup_vs_plain_cpu_time'], '.2f')}x |" if cpu else ""
         lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_plain'], '.2f')}x |"
                      f"{cpu_speedup} {acc or '–'} | {r['bandwidth_gbs']:.2f} | {_fmt(share)} "
-                     f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {off} "
+                     f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {used} | {off} "
                      f"| {same_as_plain(r)} |" +
                      (f" {r.get('graphs_recorded', '–')} ({r.get('graph_record_seconds', 0):.1f}) |" if graphs else ""))
     if graphs:
