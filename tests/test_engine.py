@@ -162,3 +162,46 @@ def test_speculative_sampling_matches_plain_sampling(tiny_qwen3, method):
         b = np.array([o.token_ids[position] for o in spec])
         stat, df = chi_square_two_sample(a, b)
         assert stat < chi_square_critical(df), (position, stat, df)
+
+
+def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
+    """ModelRunner mirrors block tables on the device and sends only what changed: after growth, rollbacks that free
+    blocks, an offload + restore into other blocks and a row taken over by another request, the device rows read back
+    equal the host tables."""
+    from nano_sparsespec.kv_cache import KVCache
+    from nano_sparsespec.model import load_model
+    from nano_sparsespec.runner import ModelRunner
+    from nano_sparsespec.scheduler import Sequence
+
+    model = load_model(str(tiny_qwen3[0]), torch.device("cpu"), torch.float32)
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, 4, torch.float32, "cpu", host_blocks=40)
+    runner = ModelRunner(model, cache, SpecConfig(method="pillar", max_batch=3))
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(), i) for i in range(3)]
+    for row, seq in enumerate(seqs):
+        seq.row = row
+
+    def check():
+        live = [s for s in seqs if s.seq_id in cache.pool.tables]
+        tables = runner._block_tables(live, torch.tensor([s.row for s in live]))
+        for s, row in zip(live, tables.tolist()):
+            table = cache.pool.tables[s.seq_id]
+            assert row[:len(table)] == table, s.seq_id
+
+    for n in (5, 9, 2):
+        for s in seqs:
+            cache.append(s.seq_id, n)
+        check()
+    cache.rollback(seqs[0].seq_id, 9)                 # frees blocks at the end of the table
+    cache.append(seqs[1].seq_id, 3)
+    cache.append(seqs[0].seq_id, 6)                   # regrows into blocks freed by others
+    check()
+    cache.offload(seqs[2].seq_id)
+    cache.append(seqs[1].seq_id, 8)                   # takes blocks the offloaded request gave back
+    cache.restore(seqs[2].seq_id)                     # same request, other blocks
+    check()
+    cache.free(seqs[1].seq_id)
+    seqs[1] = Sequence(7, [4, 5], SamplingParams(), 7)
+    seqs[1].row = 1                                   # a new request in the freed row
+    cache.append(7, 11)
+    check()
