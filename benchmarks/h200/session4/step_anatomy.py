@@ -8,6 +8,10 @@
    (each KV head read once), per SDPA backend.
 4. `sparse`: a draft step's gather + sparse attention for one layer: indexing variants and a compiled kernel that
    gathers inside the kernel.
+5. `paged`: plain decoding's attention for one layer, reading the paged pool in place with compiled flex_attention
+   (a block mask built from the block tables, the pool as one key/value sequence shared by every request) against
+   the engine's gather + SDPA, for pool blocks of 16 and 64 positions. Written after this session's device time ran
+   out: checked for equal results on the CPU only.
 Usage: python benchmarks/h200/session4/step_anatomy.py BATCH CONTEXT PART [DEVICE]"""
 import cProfile
 import pstats
@@ -158,3 +162,59 @@ if part == "sparse":
                      ("dense gather index_select", lambda: k_blocks.index_select(0, table.flatten()))):
         ms = timed(fn)
         print(f"  {name:47s} {ms:7.3f} ms  {dense_bytes / ms / 1e6:6.0f} GB/s (read + written)", flush=True)
+
+if part == "paged":
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    n_kv, G, D = 3, 3, 64
+    g = torch.Generator(device=device).manual_seed(0)
+    compiled_flex = torch.compile(flex_attention, dynamic=False)
+    for block in (16, 64):
+        per_request = -(-context // block)
+        blocks = batch * per_request
+        k_pool = torch.randn(blocks * block, n_kv, D, device=device, dtype=dtype, generator=g)   # one layer's pool
+        v_pool = torch.randn(blocks * block, n_kv, D, device=device, dtype=dtype, generator=g)
+        table = torch.randperm(blocks, device=device, generator=g).view(batch, per_request)   # [B, blocks/request]
+        lengths = torch.randint(context // 2, context + 1, (batch,), device=device, generator=g)
+        q = torch.randn(batch, n_kv * G, 1, D, device=device, dtype=dtype, generator=g)
+        kv_bytes = 2 * int(lengths.sum()) * n_kv * D * k_pool.element_size()
+
+        def gather_sdpa():      # what the engine does today: copy each request's blocks out, then SDPA
+            keys = pillar_attn.gather_rows(k_pool.view(blocks, -1), table).view(batch, -1, n_kv, D)
+            values = pillar_attn.gather_rows(v_pool.view(blocks, -1), table).view(batch, -1, n_kv, D)
+            mask = torch.arange(keys.shape[1], device=device)[None, :] < lengths[:, None]      # [B, L]
+            return F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                                  attn_mask=mask[:, None, None], enable_gqa=True)
+
+        # Block mask: request b reads its own pool blocks; within its last block only the filled part.
+        used = -(-lengths // block)                                                            # [B]
+        last_block = table.gather(1, (used - 1)[:, None])[:, 0]                                # [B]
+        last_fill = lengths - (used - 1) * block                                               # [B]
+
+        def inside(b, h, q_idx, kv_idx):
+            return (kv_idx // block != last_block[b]) | (kv_idx % block < last_fill[b])
+
+        # Full blocks (every position attended: the mask is not evaluated there) and, per request, one partial block.
+        full = torch.zeros(batch, 1, 1, blocks, dtype=torch.int32, device=device)              # width = pool blocks
+        full[:, 0, 0, :per_request] = table.int()
+        partial = torch.zeros_like(full)
+        partial[:, 0, 0, 0] = last_block.int()
+        block_mask = BlockMask.from_kv_blocks(torch.ones(batch, 1, 1, dtype=torch.int32, device=device), partial,
+                                              (used - 1).int()[:, None, None], full, BLOCK_SIZE=block,
+                                              mask_mod=inside, seq_lengths=(1, blocks * block))
+        k_seq, v_seq = k_pool.permute(1, 0, 2)[None], v_pool.permute(1, 0, 2)[None]           # [1, n_kv, slots, D]
+
+        def flex_in_place():
+            return compiled_flex(q, k_seq, v_seq, block_mask=block_mask, enable_gqa=True)
+
+        try:
+            diff = (flex_in_place().float() - gather_sdpa().float()).abs().max().item()
+            print(f"block {block}: flex vs gather + SDPA max abs diff {diff:.3g}", flush=True)
+            variants = (("gather + SDPA", gather_sdpa), ("flex in place", flex_in_place))
+        except Exception as e:   # a kernel configuration this torch / GPU does not support: say so, keep going
+            print(f"block {block}: flex failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            variants = (("gather + SDPA", gather_sdpa),)
+        for name, fn in variants:
+            ms = timed(fn)
+            print(f"  block {block:3d} {name:15s} {ms:7.3f} ms  {kv_bytes / ms / 1e6:6.0f} GB/s (of K+V in context)",
+                  flush=True)
