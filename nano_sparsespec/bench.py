@@ -49,6 +49,7 @@ from torch import nn
 from . import async_loop, pillar_attn
 from .async_loop import LLM, RunStats
 from .config import DRAFT_METHODS, ModelConfig, SamplingParams, SpecConfig
+from .device import common_prefix
 from .kv_cache import KVCache
 from .model import CausalLM, RotaryEmbedding
 from .runner import ModelRunner
@@ -450,11 +451,6 @@ def finish_rows(rows: list[dict], peak_gbs: float, greedy: bool) -> None:
                                                       for a, b in zip(r["token_ids"], plain["token_ids"]))
         else:
             r["identical_to_plain"] = r["mean_common_prefix"] = None
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share (where greedy outputs first diverge)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def parse_rows(text: str) -> list[str]:

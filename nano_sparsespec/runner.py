@@ -25,7 +25,7 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
 from .cuda_graphs import StepGraphs
-from .device import to_device
+from .device import common_prefix, to_device
 from .scheduler import Sequence, Work
 
 
@@ -113,7 +113,7 @@ class ModelRunner:
         for seq, table in zip(seqs, tables):
             owner, sent = self.tables_sent[seq.row]
             if owner != seq.seq_id or sent != table:
-                same = _common_prefix(sent, table) if owner == seq.seq_id else 0
+                same = common_prefix(sent, table) if owner == seq.seq_id else 0
                 changes += [(seq.row, j, table[j]) for j in range(same, len(table))]
                 self.tables_sent[seq.row] = (seq.seq_id, list(table))
         if changes:
@@ -298,11 +298,3 @@ class ModelRunner:
         out = verifier.verify(target, draft_tokens, draft_probs, self._dev(num_drafts), st, first_position)
         return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
                           draft_tokens, None)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:          # the usual case, compared at C speed
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
