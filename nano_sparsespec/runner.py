@@ -220,7 +220,6 @@ class ModelRunner:
             ids += inputs
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
-        dev = self.device
         input_ids = self._dev(ids)
         if feed_at:
             src = self._dev(feed_from)
