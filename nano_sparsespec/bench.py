@@ -425,7 +425,7 @@ def spec_for(name: str, args, kv_blocks: int) -> SpecConfig:
     if fields["method"] == "pillar":
         fields["method"] = args.pillar_method
     return SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
-                      max_batch=args.batch_size, prefill_chunk=args.prefill_chunk,
+                      max_batch=args.batch_size, prefill_chunk=args.prefill_chunk, block_size=args.block_size,
                       kv_blocks=kv_blocks if offload else None, **fields)
 
 
@@ -563,10 +563,11 @@ class StepProfiler:
 
     def __init__(self, model: CausalLM, batch: int, context: int, stride: int, device: torch.device,
                  dtype: torch.dtype, budget_ratio: float, min_budget: int, temperature: float, seed: int = 0,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, block_size: int = SpecConfig.block_size):
         cfg = model.config
         self.model, self.batch, self.context, self.k, self.device = model, batch, context, stride, device
-        common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget, max_batch=batch)
+        common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget, max_batch=batch,
+                      block_size=block_size)
         self.plain_spec = SpecConfig(method="plain", **common)
         self.spec = SpecConfig(method="pillar", **common)
         block = self.spec.block_size
@@ -890,6 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter of the pillar-naive / +balanced / +offload / +async rows")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="device KV pool of the +offload/+async rows, in blocks (default: --kv-fraction of the need)")
+    p.add_argument("--block-size", type=int, default=SpecConfig.block_size, help="positions per KV pool block")
     p.add_argument("--kv-fraction", type=float, default=0.6,
                    help="default bounded pool as a fraction of what the whole batch needs at its longest")
     p.add_argument("--rows", default="all", help=f"comma-separated subset of {','.join(ROWS)} (or 'all')")
@@ -944,7 +946,8 @@ def _run(args, argv: list[str]) -> int:
             parse_shapes(args.profile_shapes)
         params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                  ignore_eos=args.ignore_eos, seed=args.seed + i) for i in range(args.num_requests)]
-        SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget)  # validate early
+        SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
+                   block_size=args.block_size)                                                       # validate early
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                   cuda_graphs=args.cuda_graphs, gguf=args.gguf) \
             if run_rows or "model" in args.profile_models.split(",") else None
@@ -964,8 +967,8 @@ def _run(args, argv: list[str]) -> int:
                            "max_new_tokens": args.max_new_tokens,
                            "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
                            "stride": args.stride, "budget_ratio": args.budget_ratio, "min_budget": args.min_budget,
-                           "prefill_chunk": args.prefill_chunk, "pillar_method": args.pillar_method,
-                           "device": str(device),
+                           "prefill_chunk": args.prefill_chunk, "block_size": args.block_size,
+                           "pillar_method": args.pillar_method, "device": str(device),
                            "dtype": str(dtype).replace("torch.", ""), "compile": args.compile, "cuda_graphs": args.cuda_graphs,
                            "prompts_file": args.prompts_file, "prompt_field": args.prompt_field},
               "peak_bandwidth_gbs": peak, "peak_bandwidth_source": peak_source, "measured_copy_gbs": copy_gbs,
@@ -989,7 +992,7 @@ def _run(args, argv: list[str]) -> int:
             return 2
         lens = [len(t) for t in token_ids]
         running = sorted(lens)[-args.batch_size:]           # the pool serves at most --batch-size requests at once
-        kv_blocks = args.kv_blocks or default_kv_blocks(running, args.max_new_tokens, args.stride, 16,
+        kv_blocks = args.kv_blocks or default_kv_blocks(running, args.max_new_tokens, args.stride, args.block_size,
                                                         args.kv_fraction)
         result["settings"].update(prompt_tokens=lens, kv_blocks_offload=kv_blocks, rows=names)
         # Warm-up: one short run of our engine so lazy initialisation is not billed to the first row.

@@ -167,7 +167,8 @@ class SpecConfig:
     batch_policy naive (lock-step: all requests verify on the same step) or balanced (verifications staggered)
     async_verify delayed verification: a request that verifies at step t sits out step t+1
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
-    block_size   tokens per KV block
+    block_size   tokens per KV block (64: the paged GPU kernel's tile is at most one block, and 16 made it slower
+                 than gather + SDPA on the H200; pillar_attn.paged_attention)
     prefill_chunk  prompt tokens per request per step (chunked prefill)
     max_batch    requests running at once
     """
@@ -182,7 +183,7 @@ class SpecConfig:
     batch_policy: str = "balanced"
     async_verify: bool = False
     kv_blocks: int | None = None
-    block_size: int = 16
+    block_size: int = 64
     prefill_chunk: int = 512
     max_batch: int = 64
 

@@ -83,7 +83,7 @@ class StaticStep:
                 q_index=torch.zeros(Bd, Q, **long), q_valid=torch.zeros(Bd, Q, dtype=torch.bool, device=dev),
                 valid_flat=torch.zeros(Bd * Q, **long), valid_rows=torch.zeros(Bd * Q, **long),
                 block_table=torch.zeros(Bd, L // cache.block_size, **long),
-                mask=torch.zeros(Bd, Q, L, dtype=torch.bool, device=dev))
+                mask=torch.zeros(Bd, Q, L, dtype=torch.bool, device=dev), q_start=torch.zeros(Bd, **long))
             if b.scores:
                 self.ctx.dense.score_weight = torch.zeros(Bd, Q, device=dev)
                 self.ctx.dense.scores = torch.zeros(cfg.num_layers, Bd, cfg.num_kv_heads, L, device=dev)
@@ -112,6 +112,7 @@ class StaticStep:
             _put(sd.block_table, d.block_table, self.scratch_block)
             _put(sd.mask, d.mask, False)
             sd.mask[Bd:, :, 0] = True                           # padding requests see one (scratch) position
+            _put(sd.q_start, d.q_start, 0)                      # (q_start 0, no valid row: the same rule)
             if sd.score_weight is not None:
                 _put(sd.score_weight, d.score_weight, 0.0)
         if ctx.sparse is not None:

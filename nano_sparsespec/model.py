@@ -176,6 +176,8 @@ class CausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions)                                          # cos, sin: [T, 1, head_dim/2]
+        if ctx is not None:
+            pillar_attn.prepare(ctx, self.config.num_heads // self.config.num_kv_heads)
         for layer in self.layers:
             x = layer(x, rope, ctx)
         return self.norm(x)

@@ -16,8 +16,9 @@ Owns
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the PillarAttn score pass and the sparse draft kernel
-    (same math; the sparse one written so that its gathers fuse into the kernel); dense attention itself always runs
-    torch's fused SDPA.
+    (same math; the sparse one written so that its gathers fuse into the kernel); dense attention runs torch's fused
+    SDPA over gathered K/V, or, with `compile_kernels(paged=True)` (the GPU), `paged_attention`: compiled
+    flex_attention reading the pool in place through a block mask that `prepare` builds once per step.
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
 """
@@ -41,8 +42,11 @@ class DenseBatch:
     block_table: torch.Tensor    # [Bd, Lmax / block] pool blocks holding each request's context, in order; Lmax is
                                  #                   whole blocks (padding columns: any valid block, masked)
     mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
+    q_start: torch.Tensor        # [Bd]              position of each request's first query row; `mask` is exactly:
+                                 #                   position <= q_start + row, and (q_valid or position == 0)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by attend() when score_weight is set
+    block_mask: object | None = None          # flex_attention BlockMask over the pool, set by `prepare` (paged kernels)
 
 
 @dataclass
@@ -79,9 +83,17 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         # copy runs 8x faster than one index per (position, KV head) (benchmarks/h200/session3/dense_gather.py).
         Bd, Lmax = d.mask.shape[0], d.mask.shape[2]
         blocks = ctx.k_cache.shape[1] // ctx.block_size
-        keys = gather_rows(ctx.k_cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *k.shape[1:])
-        values = gather_rows(ctx.v_cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *v.shape[1:])
-        dense_out, scores = dense_attention(q[d.q_index], keys, values, d.mask, d.score_weight)
+
+        def gathered(cache):                                                           # [Bd, Lmax, n_kv, D]
+            return gather_rows(cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *k.shape[1:])
+        queries = q[d.q_index]                                                         # [Bd, Qmax, n_heads, D]
+        if d.block_mask is None:
+            dense_out, scores = dense_attention(queries, gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask,
+                                                d.score_weight)
+        else:   # paged kernel: attention reads the pool in place; only the score pass needs the keys gathered
+            dense_out = _kernels["paged"](queries, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
+            scores = None if d.score_weight is None else _kernels["scores"](queries, gathered(ctx.k_cache), d.mask,
+                                                                            d.score_weight)
         out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
         if scores is not None:
             d.scores[layer] = scores
@@ -202,21 +214,33 @@ def sparse_attention_fused(q, k_rows, v_rows, index, valid):
     return (probs[..., None] * values).sum(-2).to(q.dtype).reshape(B, H, D)
 
 
-_kernels = {"scores": pillar_scores, "sparse": sparse_attention}
+# The kernels `attend` calls; "paged" is None unless the paged path is on (see `prepare`).
+_kernels = {"scores": pillar_scores, "sparse": sparse_attention, "paged": None}
 
 
-def compile_kernels() -> None:
+def compile_kernels(paged: bool = False) -> None:
     """Swap in torch.compile'd versions of the score pass and the sparse kernel, the latter in its fused form
-    (dynamic shapes; same results within float tolerance). Made for the GPU: on the CPU the compiled fused sparse
-    kernel is slower than the eager one (0.92 against 0.37 ms per layer at 8 x 1,024, step_anatomy.py sparse cpu).
-    SDPA is left alone: compiled, dense attention ran 2x slower than cuDNN's on the H200 and hit dynamo's recompile
-    limit (BENCHMARKS.md, H200 second session)."""
+    (dynamic shapes; same results within float tolerance), and with `paged` the paged dense kernels (static shapes:
+    flex_attention's decoding kernel wants them; one compilation per padded step shape, hence the higher recompile
+    limit). Made for the GPU: on the CPU the compiled fused sparse kernel is slower than the eager one (0.92 against
+    0.37 ms per layer at 8 x 1,024, step_anatomy.py sparse cpu) and compiled flex_attention cannot return the
+    logsumexp. Without `paged`, dense attention is gather + SDPA (compiled, SDPA ran 2x slower than cuDNN's on the
+    H200: BENCHMARKS.md, H200 second session)."""
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     _kernels["sparse"] = torch.compile(sparse_attention_fused, dynamic=True)
+    if paged:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _kernels["paged"] = torch.compile(paged_attention, dynamic=False)
 
 
 def use_eager_kernels() -> None:
-    _kernels["scores"], _kernels["sparse"] = pillar_scores, sparse_attention
+    _kernels.update(scores=pillar_scores, sparse=sparse_attention, paged=None)
+
+
+def use_paged_reference() -> None:
+    """The paged path with uncompiled flex_attention (torch's reference math over the whole pool: tiny pools only),
+    so the CPU tests check the block mask that the compiled GPU kernel relies on."""
+    _kernels["paged"] = paged_attention
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -318,3 +342,76 @@ def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: t
     M = lookup.shape[1]
     merged.scatter_(-1, after[:, None, None, :].expand(B, L, n_kv, M), lookup[:, None, None, :].expand(B, L, n_kv, M))
     return merged[..., :N]
+
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Paged dense attention (the `compile_kernels(paged=True)` path, for the GPU): flex_attention reads each request's
+# context where it lies in the pool instead of a gathered copy. Uncompiled, flex_attention is torch's reference
+# implementation, which materialises scores over the whole pool: the tests run it on tiny pools.
+
+def prepare(ctx: AttentionContext, group: int) -> None:
+    """Once per forward, before the layers: the block mask of the paged kernels, for dense batches whose G x Qmax
+    packed rows (`group` query heads per KV head) fit flex_attention's decoding kernel (plain decoding,
+    verification); prefill chunks keep gather + SDPA."""
+    d = ctx.dense
+    if _kernels["paged"] is None or d is None or group * d.mask.shape[1] >= 128:
+        return
+    d.block_mask = paged_block_mask(d.block_table, d.mask, d.q_start, d.q_valid, ctx.block_size,
+                                    ctx.k_cache.shape[1], group)
+
+
+def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int, group: int):
+    """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly mask[b, q, :] of its context.
+
+    block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B]; q_valid: [B, Q] bool.
+    The key/value sequence is one layer's whole pool (pool_slots positions, shared by every request). Each request
+    lists its pool blocks: `full` ones (every real row sees all of it: the mask is not evaluated there) and `partial`
+    ones (the causal edge), where `visible` evaluates the mask's rule from the position: `rank` is a pool block's
+    block number within its request, `owner` the request (checked, so the rule holds over the whole pool as
+    flex_attention's contract wants, not only on the listed blocks). Built on the device, no host sync."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, Q, L = mask.shape
+    nb, pool_blocks = L // block_size, pool_slots // block_size
+    seen = mask.view(B, Q, nb, block_size)
+    used = seen.any(-1).any(1)                                                         # [B, nb]
+    full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1)                         # [B, nb]
+    target = torch.where(used, block_table, pool_blocks).flatten()                     # unused columns: a dump entry
+    rank = torch.zeros(pool_blocks + 1, dtype=torch.long, device=mask.device)
+    rank.scatter_(0, target, torch.arange(nb, device=mask.device).repeat(B))
+    owner = torch.full((pool_blocks + 1,), -1, dtype=torch.long, device=mask.device)
+    owner.scatter_(0, target, torch.arange(B, device=mask.device).repeat_interleave(nb))
+
+    def visible(b, h, q_idx, kv_idx):     # q_idx: a packed row g * Q + q (paged_attention)
+        block, row = kv_idx // block_size, q_idx % Q
+        position = rank[block] * block_size + kv_idx % block_size
+        return ((owner[block] == b) & (position <= q_start[b] + row)
+                & (q_valid[b, row] | (position == 0)))
+
+    def listed(which):    # [B, nb] bool -> counts [B, 1, 1], their block ids first [B, 1, 1, pool_blocks]
+        order = torch.argsort((~which).to(torch.int8), dim=1, stable=True)
+        ids = torch.zeros(B, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)   # BlockMask's contract:
+        width = min(nb, pool_blocks)      # one column per KV block (a padded table can be wider than the pool)
+        ids[:, 0, 0, :width] = block_table.gather(1, order)[:, :width]
+        return which.sum(1, dtype=torch.int32)[:, None, None], ids
+
+    q_tile = -(-group * Q // 128) * 128
+    return BlockMask.from_kv_blocks(*listed(used & ~full), *listed(full), BLOCK_SIZE=(q_tile, block_size),
+                                    mask_mod=visible, seq_lengths=(group * Q, pool_slots), compute_q_blocks=False)
+
+
+def paged_attention(q, k_layer, v_layer, block_mask):
+    """q: [B, Q, n_heads, D]; k_layer, v_layer: [slots, n_kv, D] one layer's pool -> [B, Q, n_heads, D].
+
+    The G query heads of a KV head are packed into G x Q rows (as `dense_attention` does for SDPA): flex_attention
+    then sees one query head per KV head, which lets it use its decoding kernel (it needs a power-of-two group; the
+    embedded model's is 3). That kernel's tiles are at most one pool block: blocks of 16 positions made it slower
+    than gather + SDPA on the H200, blocks of 64 1.7x faster (benchmarks/h200/session5/paged.py)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, Q, H, D = q.shape
+    n_kv = k_layer.shape[1]
+    out = flex_attention(_pack_groups(q, n_kv), k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None],
+                         block_mask=block_mask)                                        # [B, n_kv, G*Q, D]
+    return out.view(B, n_kv, H // n_kv, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)

@@ -145,7 +145,7 @@ class ModelRunner:
         mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
         seq_rows = self._dev([w.seq.row for w in dense])
         block_table = self._block_tables([w.seq for w in dense], seq_rows)[:, :num_blocks]   # [Bd, Lmax / block]
-        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask)
+        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask, starts)
         if any(with_scores):
             # Verification rows all count; after a last prefill chunk only its last row does.
             last = (q_lens - 1)[:, None]

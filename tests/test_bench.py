@@ -25,7 +25,7 @@ def rows_result(tiny_qwen3, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
             "--batch-size", str(BATCH), "--max-new-tokens", str(TOKENS), "--ignore-eos", "--stride", str(K),
-            "--min-budget", "8", "--device", "cpu", "--threads", "1",
+            "--min-budget", "8", "--device", "cpu", "--threads", "1", "--block-size", "16",   # small: offload
             "--json-out", str(out / "b.json"), "--md-out", str(out / "b.md"), "--plot-out", str(out / "b.png")]
     assert bench.main(argv) == 0
     return json.loads((out / "b.json").read_text()), out

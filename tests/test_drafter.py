@@ -142,7 +142,7 @@ def test_greedy_is_lossless(tiny_qwen3, prompts, plain_greedy, policy, async_ver
     # max_batch 5 < 8 prompts: rows are reused by later requests (their device token mirror must restart);
     # kv_blocks=12 forces whole requests to the host pool and back.
     llm, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=4, min_budget=16, budget_ratio=0.1,
-                    batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, max_batch=5,
+                    batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, block_size=16, max_batch=5,
                     prefill_chunk=32)
     assert llm.spec.num_lookups == 8
     assert [o.token_ids for o in outs] == plain_greedy

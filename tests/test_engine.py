@@ -32,7 +32,7 @@ def test_greedy_speculation_is_lossless(tiny_qwen3, prompts, plain_greedy, metho
     # max_batch 5 < 8 prompts: later requests are admitted while others decode. kv_blocks=12 (of 16 tokens) cannot
     # hold all running requests, so whole requests move to the host pool and back.
     llm, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=8, budget_ratio=0.1,
-                    batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, max_batch=5,
+                    batch_policy=policy, async_verify=async_verify, kv_blocks=kv_blocks, block_size=16, max_batch=5,
                     prefill_chunk=32)
     assert [o.token_ids for o in outs] == plain_greedy
     if kv_blocks is not None:
@@ -76,12 +76,13 @@ def test_balanced_staggers_verifications_and_naive_locks_step(tiny_qwen3):
 
 def test_every_request_finishes_with_tiny_pool(tiny_qwen3, prompts, plain_greedy):
     """A pool that holds about one request at a time: everyone still finishes, nothing is lost or corrupted."""
-    llm, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, kv_blocks=8, max_batch=8)
+    llm, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, kv_blocks=8, block_size=16,
+                    max_batch=8)
     assert [o.token_ids for o in outs] == plain_greedy
 
 
 def test_pool_too_small_for_one_request_is_a_clear_error(tiny_qwen3, prompts):
-    _, outs = run(tiny_qwen3[0], prompts, method="pillar", kv_blocks=2)
+    _, outs = run(tiny_qwen3[0], prompts, method="pillar", kv_blocks=2, block_size=16)
     assert all(o.finish_reason == "error" and "KV pool too small" in o.error for o in outs if o.num_prompt_tokens)
     assert all(o.token_ids == [] for o in outs)
 

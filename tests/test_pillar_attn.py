@@ -200,8 +200,10 @@ def test_attend_without_context_is_causal_attention():
     assert torch.allclose(out.double(), ref_causal(q, k, v), atol=TOL)
 
 
-def test_attend_with_context_writes_cache_and_routes_rows():
-    """One step, tokens flattened as [A0, S0, A1, C0, A2]:
+@pytest.mark.parametrize("paged", [False, True], ids=["gather+sdpa", "paged"])
+def test_attend_with_context_writes_cache_and_routes_rows(paged):
+    """One step, tokens flattened as [A0, S0, A1, C0, A2] (dense rows by gather + SDPA, or paged: flex_attention
+    over the pool through a block mask, scores from its logsumexp; the uncompiled reference of the GPU kernels):
     A: dense, 3 new tokens at positions 2..4 after 2 cached ones (prefill chunk / verification), with scores;
     C: dense, 1 new token at position 3 after 3 cached ones (plain decode);
     S: sparse draft token at position 6 of a context whose positions 0..5 are cached, attending to {0, 2, 6} on KV
@@ -238,8 +240,8 @@ def test_attend_with_context_writes_cache_and_routes_rows():
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
     valid_flat = q_valid.flatten().nonzero().flatten()           # real queries in the padded [Bd * Qmax] layout
     valid_rows = q_index.flatten()[valid_flat]
-    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask, score_weight=weight,
-                       scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
+    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask, q_start=q_pos[:, 0],
+                       score_weight=weight, scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
     kv_index = torch.zeros(Lyr, 1, N_KV, 4, dtype=torch.long)
@@ -248,6 +250,10 @@ def test_attend_with_context_writes_cache_and_routes_rows():
         kv_index[layer, 0, j, 3] = 7 * N_KV + j              # padding: some other valid slot
     sparse = SparseBatch(torch.tensor([row_S]), kv_index, torch.tensor([[True, True, True, False]]))
     ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, dense=dense, sparse=sparse)
+    if paged:
+        pa.use_paged_reference()
+    pa.prepare(ctx, G)
+    assert (dense.block_mask is not None) == paged
 
     out = attend(layer, q, k, v, ctx)
     assert out.shape == (T, H, D)
@@ -302,7 +308,7 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
     dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, blocks[None],
-                       (pos[None, :] <= pos[:, None])[None])
+                       (pos[None, :] <= pos[:, None])[None], q_start=pos[:1])
     ctx = AttentionContext(k_cache, v_cache, slots, 1, dense=dense)                  # blocks of one slot
     with torch.inference_mode():
         logits = model.logits(model(ids, pos, ctx))

@@ -3,8 +3,10 @@ needed), with CUDA graphs: one plain, one draft and one verification step, each 
 recorded graph replayed alone (GPU time of the forward); and the mixed step of balanced batching (one request in
 k + 1 verifying, the others drafting; added after this session's H200 run).
 
-Modes: `eager` (the readable path); `compile` (what `--compile` does: fused elementwise ops, compiled sparse kernel
-and PillarAttn score pass, SDPA for dense attention); `compile-no-scores` (the same with the score pass left eager).
+Modes: `eager` (the readable path); `compile` (fused elementwise ops, compiled sparse kernel and PillarAttn score
+pass, gather + SDPA for dense attention: `--compile` before session 5); `compile-no-scores` (the same with the score
+pass left eager); `paged` (session 5, what `--compile` does on a GPU: `compile` with dense attention reading the pool
+in place). A mode may end in `@BLOCK`, the pool's block size (default: SpecConfig's).
 Usage: python benchmarks/h200/session3/step_modes.py BATCH CONTEXT [DEVICE [MODE,MODE...]]"""
 import statistics
 import sys
@@ -14,7 +16,7 @@ import torch
 
 from nano_sparsespec import model as model_ops, pillar_attn
 from nano_sparsespec.bench import StepProfiler, random_model
-from nano_sparsespec.config import ModelConfig
+from nano_sparsespec.config import ModelConfig, SpecConfig
 
 batch, context = int(sys.argv[1]), int(sys.argv[2])
 device = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cuda")
@@ -32,12 +34,16 @@ def synchronize():
 
 modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["eager", "compile", "compile-no-scores"]
 for mode in modes:
-    if mode.startswith("compile"):
-        pillar_attn.compile_kernels()
+    kernels, _, block = mode.partition("@")
+    pillar_attn.use_eager_kernels()
+    model_ops.use_eager_elementwise()
+    if kernels != "eager":
+        pillar_attn.compile_kernels(paged=kernels == "paged")
         model_ops.compile_elementwise()
-    if mode == "compile-no-scores":
+    if kernels == "compile-no-scores":
         pillar_attn._kernels["scores"] = pillar_attn.pillar_scores
-    prof = StepProfiler(model, batch, context, 8, device, dtype, 0.05, 128, 0.6, cuda_graphs=True)
+    prof = StepProfiler(model, batch, context, 8, device, dtype, 0.05, 128, 0.6, cuda_graphs=True,
+                        block_size=int(block or SpecConfig.block_size))
     for kind, fn, runner in (("plain", prof.plain, prof.plain_runner), ("draft", prof.draft, prof.runner),
                              ("verify", prof.verify, prof.runner), ("mixed", prof.mixed, prof.runner)):
         fn()
