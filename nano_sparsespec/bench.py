@@ -342,9 +342,11 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
     kv = sum(stats.kv_positions_per_step)
     summary = stats.summary(spec.stride)
     # Recording CUDA graphs is a start-up cost (a server records its graphs once, before taking requests): it is
-    # taken out of `seconds` and reported on its own, with the wall time that includes it.
+    # taken out of `seconds` and reported on its own, with the wall time that includes it. Its CPU time is not known
+    # (compilation runs in worker processes), so a run that recorded graphs has no CPU-time figure.
     recording = stats.graph_record_seconds
-    return {"tokens": stats.output_tokens, "seconds": seconds - recording, "cpu_seconds": cpu_seconds - recording,
+    return {"tokens": stats.output_tokens, "seconds": seconds - recording,
+            "cpu_seconds": None if recording else cpu_seconds,
             "wall_seconds": seconds, "graphs_recorded": stats.graphs_recorded, "graph_record_seconds": recording,
             "engine_seconds": stats.seconds,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
@@ -437,13 +439,14 @@ def finish_rows(rows: list[dict], peak_gbs: float, greedy: bool) -> None:
     plain = next((r for r in rows if r["name"] == "plain"), None)
     for r in rows:
         r["tokens_per_second"] = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
-        r["tokens_per_cpu_second"] = r["tokens"] / r["cpu_seconds"] if r["cpu_seconds"] else 0.0
+        r["tokens_per_cpu_second"] = r["tokens"] / r["cpu_seconds"] if r["cpu_seconds"] else None
         r["bandwidth_gbs"] = r["bytes_read"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
         r["roofline_share"] = r["bandwidth_gbs"] / peak_gbs if peak_gbs else None
     for r in rows:
         r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"] if plain else None
         r["speedup_vs_plain_cpu_time"] = (r["tokens_per_cpu_second"] / plain["tokens_per_cpu_second"]
-                                          if plain and plain["tokens_per_cpu_second"] else None)
+                                          if r["tokens_per_cpu_second"] and plain and plain["tokens_per_cpu_second"]
+                                          else None)
         if plain and greedy:
             same = sum(a == b for a, b in zip(r["token_ids"], plain["token_ids"]))
             r["identical_to_plain"] = f"{same}/{len(plain['token_ids'])}"
