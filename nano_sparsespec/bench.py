@@ -715,7 +715,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                 model, built = random_model(cfg, device, dtype, args.seed), True
             print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
             prof = StepProfiler(model, batch, context, args.stride, device, dtype, args.budget_ratio,
-                                args.min_budget, args.temperature, args.seed, args.cuda_graphs)
+                                args.min_budget, args.temperature, args.seed, args.cuda_graphs, args.block_size)
             times = prof.measure(args.profile_reps)
             nbytes = prof.step_bytes()
             entry["budget"] = prof.budget
