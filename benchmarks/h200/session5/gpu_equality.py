@@ -1,0 +1,50 @@
+"""Greedy equality on the GPU, diagnosed: tests/test_cuda_graphs.py's comparison (fp32, tiny random Qwen3, padded
+steps) for each drafter, printing how many requests differ from plain decoding and where they first differ, with
+dense attention's single-row call as the engine has it (unpacked, SDPA's own GQA) and with the single row packed
+like the verification rows (`--pack-single`), or with `--compile` (on the GPU: the compiled paged kernels).
+
+Usage: PYTHONPATH=.:tests python benchmarks/h200/session5/gpu_equality.py [--pack-single] [--compile]"""
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from conftest import GREEDY, PROMPT_LENGTHS, make_tiny_checkpoint
+from nano_sparsespec import LLM, pillar_attn
+
+if "--pack-single" in sys.argv:
+    unpacked = pillar_attn.dense_attention
+
+    def packed_always(q, k, v, mask, score_weight=None):
+        """dense_attention's Q > 1 branch for every Q (a single row too)."""
+        B, Q, H, D = q.shape
+        n_kv = k.shape[2]
+        G = H // n_kv
+        packed = pillar_attn._pack_groups(q, n_kv)
+        packed_mask = mask[:, None, None].expand(B, 1, G, Q, -1).reshape(B, 1, G * Q, -1)
+        out = F.scaled_dot_product_attention(packed, k.transpose(1, 2), v.transpose(1, 2), attn_mask=packed_mask)
+        out = out.view(B, n_kv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+        return out, unpacked(q, k, v, mask, score_weight)[1] if score_weight is not None else None
+    pillar_attn.dense_attention = packed_always
+
+path = make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3")[0]
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def generate(**options):
+    llm = LLM(str(path), device="cuda", dtype="float32", cuda_graphs=True, max_batch=5,
+              compile="--compile" in sys.argv, **options)
+    return [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
+
+
+plain = generate(method="plain")
+for method, policy, async_verify, kv_blocks in [
+        ("pillar", "naive", False, None), ("pillar", "balanced", True, 12), ("pillar-lookup", "balanced", False, None),
+        ("streaming", "balanced", True, None), ("ngram", "naive", True, None), ("full", "balanced", False, None)]:
+    outs = generate(method=method, stride=4, min_budget=8, budget_ratio=0.1, batch_policy=policy,
+                    async_verify=async_verify, kv_blocks=kv_blocks, prefill_chunk=32)
+    first = [next((i for i, (a, b) in enumerate(zip(o, p)) if a != b), None) for o, p in zip(outs, plain)]
+    print(f"{method:14s} {policy:9s} async={async_verify!s:5s} requests differing: "
+          f"{sum(f is not None for f in first)}/{len(first)}, first difference at token {first}", flush=True)
