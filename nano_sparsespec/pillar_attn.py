@@ -223,9 +223,9 @@ def compile_kernels(paged: bool = False) -> None:
     (dynamic shapes; same results within float tolerance), and with `paged` the paged dense kernels (static shapes:
     flex_attention's decoding kernel wants them; one compilation per padded step shape, hence the higher recompile
     limit). Made for the GPU: on the CPU the compiled fused sparse kernel is slower than the eager one (0.92 against
-    0.37 ms per layer at 8 x 1,024, step_anatomy.py sparse cpu) and compiled flex_attention cannot return the
-    logsumexp. Without `paged`, dense attention is gather + SDPA (compiled, SDPA ran 2x slower than cuDNN's on the
-    H200: BENCHMARKS.md, H200 second session)."""
+    0.37 ms per layer at 8 x 1,024, step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged
+    kernel's verification shape (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is
+    gather + SDPA (compiled, SDPA ran 2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session)."""
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     _kernels["sparse"] = torch.compile(sparse_attention_fused, dynamic=True)
     if paged:
@@ -344,7 +344,6 @@ def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: t
     return merged[..., :N]
 
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Paged dense attention (the `compile_kernels(paged=True)` path, for the GPU): flex_attention reads each request's
 # context where it lies in the pool instead of a gathered copy. Uncompiled, flex_attention is torch's reference
@@ -369,7 +368,9 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     lists its pool blocks: `full` ones (every real row sees all of it: the mask is not evaluated there) and `partial`
     ones (the causal edge), where `visible` evaluates the mask's rule from the position: `rank` is a pool block's
     block number within its request, `owner` the request (checked, so the rule holds over the whole pool as
-    flex_attention's contract wants, not only on the listed blocks). Built on the device, no host sync."""
+    flex_attention's contract wants, not only on the listed blocks). The padding requests of a padded step
+    (cuda_graphs.py) all list the scratch block, which gets one owner: the others see nothing, and their rows are
+    discarded. Built on the device, no host sync."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, Q, L = mask.shape
