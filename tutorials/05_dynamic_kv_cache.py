@@ -108,14 +108,14 @@ def main(argv=None) -> None:
     batch, k, new_tokens = (4, 3, 12) if args.quick else (8, 4, 40)
     prompts = [llm.encode(p) for p in (SHORT_PROMPTS * 2)[:batch]]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    block = llm.spec.block_size
+    block = 16       # small blocks show the pool's granularity (the engine's default, 64, suits the GPU's paged kernel)
     per_request = max(-(-(len(p) + new_tokens + k + 2) // block) for p in prompts)
     bounded = 2 * per_request + 2
     print(f"{batch} requests, {new_tokens} new tokens each, method='pillar', k = {k}; a request needs up to "
           f"{per_request} blocks of {block} tokens: all of them need {batch * per_request} blocks")
     runs = {}
     for name, kv_blocks in (("unbounded", None), (f"{bounded} blocks", bounded)):
-        with_spec(llm, method="pillar", stride=k, min_budget=16, kv_blocks=kv_blocks)
+        with_spec(llm, method="pillar", stride=k, min_budget=16, kv_blocks=kv_blocks, block_size=block)
         with watch_steps() as log:
             t0 = time.perf_counter()
             outs = llm.generate(None, params, prompt_token_ids=prompts)
