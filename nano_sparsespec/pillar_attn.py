@@ -128,20 +128,32 @@ def dense_attention(q, k, v, mask, score_weight=None):
     while a single row (plain decoding) is faster unpacked, 0.082 against 0.114 ms
     (benchmarks/h200/session4/step_anatomy.py sdpa).
     """
-    B, Q, H, D = q.shape
-    L, n_kv = k.shape[1], k.shape[2]
-    if Q == 1:
+    if q.shape[1] == 1:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask[:, None], enable_gqa=True)    # [B, n_heads, 1, D]
         out = out.transpose(1, 2)
     else:
-        G = H // n_kv
-        packed = _pack_groups(q, n_kv)                                                   # [B, n_kv, G*Q, D]
-        packed_mask = mask[:, None, None].expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L)
-        out = F.scaled_dot_product_attention(packed, k.transpose(1, 2), v.transpose(1, 2), attn_mask=packed_mask)
-        out = out.view(B, n_kv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+        out = packed_sdpa(q, k, v, mask)
     scores = None if score_weight is None else _kernels["scores"](q, k, mask, score_weight)
     return out, scores
+
+
+def packed_sdpa(q, k, v, mask):
+    """SDPA with the G query heads of each KV head packed into one block of G x Q rows (`dense_attention`'s form for
+    several query rows). q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] -> [B, Q, n_heads, D]"""
+    B, Q, H, _ = q.shape
+    L, n_kv = k.shape[1], k.shape[2]
+    G = H // n_kv
+    packed_mask = mask[:, None, None].expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L)
+    out = F.scaled_dot_product_attention(_pack_groups(q, n_kv), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=packed_mask)                           # [B, n_kv, G*Q, D]
+    return _unpack_groups(out, Q)
+
+
+def _unpack_groups(out, Q):
+    """The inverse of `_pack_groups`: [B, n_kv, G * Q, D] -> [B, Q, n_heads, D]."""
+    B, n_kv, GQ, D = out.shape
+    return out.view(B, n_kv, GQ // Q, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, -1, D)
 
 
 def _pack_groups(q, n_kv):
@@ -411,8 +423,6 @@ def paged_attention(q, k_layer, v_layer, block_mask):
     than gather + SDPA on the H200, blocks of 64 1.7x faster (benchmarks/h200/session5/paged.py)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    B, Q, H, D = q.shape
-    n_kv = k_layer.shape[1]
-    out = flex_attention(_pack_groups(q, n_kv), k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None],
-                         block_mask=block_mask)                                        # [B, n_kv, G*Q, D]
-    return out.view(B, n_kv, H // n_kv, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+    out = flex_attention(_pack_groups(q, k_layer.shape[1]), k_layer.permute(1, 0, 2)[None],
+                         v_layer.permute(1, 0, 2)[None], block_mask=block_mask)       # [B, n_kv, G*Q, D]
+    return _unpack_groups(out, q.shape[1])

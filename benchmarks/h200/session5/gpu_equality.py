@@ -8,24 +8,15 @@ import sys
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 from conftest import GREEDY, PROMPT_LENGTHS, make_tiny_checkpoint
 from nano_sparsespec import LLM, pillar_attn
 
 if "--pack-single" in sys.argv:
-    unpacked = pillar_attn.dense_attention
-
     def packed_always(q, k, v, mask, score_weight=None):
-        """dense_attention's Q > 1 branch for every Q (a single row too)."""
-        B, Q, H, D = q.shape
-        n_kv = k.shape[2]
-        G = H // n_kv
-        packed = pillar_attn._pack_groups(q, n_kv)
-        packed_mask = mask[:, None, None].expand(B, 1, G, Q, -1).reshape(B, 1, G * Q, -1)
-        out = F.scaled_dot_product_attention(packed, k.transpose(1, 2), v.transpose(1, 2), attn_mask=packed_mask)
-        out = out.view(B, n_kv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
-        return out, unpacked(q, k, v, mask, score_weight)[1] if score_weight is not None else None
+        """dense_attention with its several-row form for every Q (a single row too)."""
+        scores = None if score_weight is None else pillar_attn._kernels["scores"](q, k, mask, score_weight)
+        return pillar_attn.packed_sdpa(q, k, v, mask), scores
     pillar_attn.dense_attention = packed_always
 
 path = make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3")[0]
