@@ -40,11 +40,31 @@ class StepResult:
     is_bonus: torch.Tensor                   # [Bv]
     draft_tokens: torch.Tensor               # [Bv, Mmax] drafts checked by each verification
     scores: torch.Tensor | None              # [L, Bv, n_kv, Lmax] PillarAttn scores of those requests, or None
+    host: torch.Tensor | None = None         # [Bv, 3 + Mmax] the four above, copied to the host (`start_copy`)
+    copied: torch.cuda.Event | None = None   # recorded on the stream right after that copy (CUDA only)
+
+    def start_copy(self) -> None:
+        """Queue the copy of what the host bookkeeping needs, right behind this step's own work.
+
+        With delayed verification the host fetches step t-1 after it has queued step t; a copy queued only then would
+        wait for step t as well, and the host would have nothing left to overlap."""
+        packed = torch.cat([self.num_accepted[:, None], self.next_token[:, None], self.is_bonus.long()[:, None],
+                            self.draft_tokens], dim=1)                                   # [Bv, 3 + Mmax]
+        if packed.device.type == "cuda":
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)              # pinned destination: an asynchronous copy
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = packed
 
     def fetch(self) -> dict:
-        """Copy what the host bookkeeping needs (the step's one synchronisation)."""
-        return {"num_accepted": self.num_accepted.tolist(), "next_token": self.next_token.tolist(),
-                "is_bonus": self.is_bonus.tolist(), "draft_tokens": self.draft_tokens.tolist()}
+        """What the host bookkeeping needs (the step's one synchronisation: it waits for this step only)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.host.tolist()
+        return {"num_accepted": [r[0] for r in rows], "next_token": [r[1] for r in rows],
+                "is_bonus": [bool(r[2]) for r in rows], "draft_tokens": [r[3:] for r in rows]}
 
 
 class ModelRunner:
@@ -250,6 +270,7 @@ class ModelRunner:
             # a device index: indexing with a Python list would copy it from pageable memory, waiting for the forward
             result.scores = ctx.dense.scores[:, self._dev([dense_index[id(w)] for w, _ in checks])]
         result.works = works
+        result.start_copy()
         return result
 
     def _sample_drafts(self, hidden: torch.Tensor, drafts: list[tuple[Work, int]]) -> None:
