@@ -209,37 +209,22 @@ def sparse_attention(q, k_rows, v_rows, index, valid):
     return torch.matmul(probs.to(v.dtype), v).reshape(B, H, D)
 
 
-def sparse_attention_fused(q, k_rows, v_rows, index, valid):
-    """`sparse_attention` written for the compiler (same arguments and math, float32 sums): elementwise products and
-    sums instead of matmuls over gathered K and V, so that compiled, each gather becomes an indirect load inside the
-    reduction that consumes it and the gathered K and V are never stored. On the H200 (128 drafts x 137 positions,
-    one layer) compiled it takes 0.109 ms against 0.215 for the gathers plus the compiled matmul form
-    (benchmarks/h200/session4/step_anatomy.py sparse). Eager it would store a [B, n_kv, G, S, D] product: it is
-    only used compiled."""
-    B, H, D = q.shape
-    n_kv = index.shape[1]
-    queries = q.view(B, n_kv, H // n_kv, 1, D).float()                                 # [B, n_kv, G, 1, D]
-    keys = gather_rows(k_rows, index)[:, :, None].float()                              # [B, n_kv, 1, S, D]
-    logits = (queries * keys).sum(-1) * D ** -0.5                                      # [B, n_kv, G, S]
-    probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
-    values = gather_rows(v_rows, index)[:, :, None].float()                            # [B, n_kv, 1, S, D]
-    return (probs[..., None] * values).sum(-2).to(q.dtype).reshape(B, H, D)
-
-
 # The kernels `attend` calls; "paged" is None unless the paged path is on (see `prepare`).
 _kernels = {"scores": pillar_scores, "sparse": sparse_attention, "paged": None}
 
 
 def compile_kernels(paged: bool = False) -> None:
-    """Swap in torch.compile'd versions of the score pass and the sparse kernel, the latter in its fused form
-    (dynamic shapes; same results within float tolerance), and with `paged` the paged dense kernels (static shapes:
-    flex_attention's decoding kernel wants them; one compilation per padded step shape, hence the higher recompile
-    limit). Made for the GPU: on the CPU the compiled fused sparse kernel is slower than the eager one (0.92 against
-    0.37 ms per layer at 8 x 1,024, step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged
-    kernel's verification shape (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is
-    gather + SDPA (compiled, SDPA ran 2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session)."""
+    """Swap in torch.compile'd versions of the score pass and the sparse kernel (dynamic shapes; same results within
+    float tolerance), and with `paged` the paged dense kernels (static shapes: flex_attention's decoding kernel wants
+    them; one compilation per padded step shape, hence the higher recompile limit). Made for the GPU: the compiled
+    sparse kernel (gathers + matmuls) runs a 112-draft step's 30 layers in 0.90 ms on the H200 against 2.96 eager and
+    2.37 for a fused form of elementwise products that the compiler turned into two reductions (what this used
+    until session 6: benchmarks/h200/session6/sparse_kernel.py); on the CPU compiled kernels were not faster
+    (step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged kernel's verification shape
+    (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is gather + SDPA (compiled, SDPA
+    ran 2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session)."""
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    _kernels["sparse"] = torch.compile(sparse_attention_fused, dynamic=True)
+    _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _kernels["paged"] = torch.compile(paged_attention, dynamic=False)

@@ -8,8 +8,7 @@ import torch
 
 from nano_sparsespec import pillar_attn as pa
 from nano_sparsespec.pillar_attn import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
-                                         pillar_scores, select_pillar, select_streaming, sparse_attention,
-                                         sparse_attention_fused)
+                                         pillar_scores, select_pillar, select_streaming, sparse_attention)
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
 G = H // N_KV
@@ -143,8 +142,7 @@ def pool_rows(K, V, idx, valid, garbage_k=100.0, garbage_v=1e4):
     return k_rows, v_rows, index.where(valid[:, None, :], len(k_rows) - 1)
 
 
-@pytest.mark.parametrize("kernel", [sparse_attention, sparse_attention_fused])
-def test_sparse_attention_equals_masked_dense(kernel):
+def test_sparse_attention_equals_masked_dense():
     g = torch.Generator().manual_seed(1)
     B, Lctx, S = 3, 12, 5
     q = torch.randn(B, H, D, generator=g) * 2
@@ -156,7 +154,7 @@ def test_sparse_attention_equals_masked_dense(kernel):
         for j in range(N_KV):                                # a different set per KV head
             idx[b, j] = torch.randperm(Lctx, generator=g)[:S]
     valid = torch.arange(S)[None] < torch.tensor(n_valid)[:, None]              # [B, S]
-    out = kernel(q, *pool_rows(K, V, idx, valid), valid)
+    out = sparse_attention(q, *pool_rows(K, V, idx, valid), valid)
     assert out.shape == (B, H, D)
     for b in range(B):
         for h in range(H):
