@@ -1,0 +1,82 @@
+"""Where an engine step's wall time goes on the host: scheduling, building the step, queueing the forward, sampling
+and verification, the host bookkeeping, and how long the host waits for the GPU (`StepResult.fetch`).
+
+    PYTHONPATH=. python benchmarks/h200/session6/engine_split.py --gguf G [--batch 128] [--tokens 512] [MODE ...]
+
+MODE: plain | pillar-naive | pillar-async (balanced, delayed verification). Each mode generates once for `--batch`
+requests (the packaged reasoning prompts; compile + CUDA graphs, temperature 0.6, EOS ignored); the time spent
+recording CUDA graphs is left out of the wall time, the launch and the forward. Timers are host perf_counter totals
+around the named methods (no added synchronisation): a host that mostly waits in `fetch` is GPU-bound; one that
+rarely waits is bound by its own work.
+Caveat (raw/engine_split_call4.txt): with no warm-up generation, the first mode run in a process also pays the
+compilation of the prefill steps' kernels inside `launch` (plain: 21.7 ms per step of launch outside the forward,
+sampling and verification); engine_profile.py warms up first and profiles steady-state steps only.
+"""
+import argparse
+import collections
+import time
+
+from nano_sparsespec import LLM, SamplingParams
+from nano_sparsespec.async_loop import Engine
+from nano_sparsespec.bench import DEFAULT_PROMPTS, load_workload
+from nano_sparsespec.cuda_graphs import StepGraphs
+from nano_sparsespec.runner import ModelRunner, StepResult
+from nano_sparsespec.scheduler import Scheduler
+
+MODES = {"plain": dict(method="plain"),
+         "pillar-naive": dict(method="pillar", batch_policy="naive"),
+         "pillar-async": dict(method="pillar", batch_policy="balanced", async_verify=True)}
+# (class, method, label); nested ones are parts of the one above them
+TIMED = [(Scheduler, "schedule", "schedule"),
+         (ModelRunner, "launch", "launch"),
+         (StepGraphs, "forward", "  forward (copy inputs, replay)"),
+         (ModelRunner, "_sample_drafts", "  sample drafts"),
+         (ModelRunner, "_verify", "  verify"),
+         (Engine, "_process", "process"),
+         (StepResult, "fetch", "  fetch (waiting for the GPU)"),
+         (Engine, "_refresh_drafting_state", "  refresh critical positions")]
+totals = collections.Counter()
+
+
+def add_timer(cls, name, label):
+    original = getattr(cls, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+    setattr(cls, name, timed)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("modes", nargs="*", default=list(MODES))
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    for cls, name, label in TIMED:
+        add_timer(cls, name, label)
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=0.6)
+    for mode in args.modes:
+        llm = LLM(gguf=args.gguf, device=args.device, compile=True, cuda_graphs=True, max_batch=args.batch, **MODES[mode])
+        texts, ids = load_workload(llm, DEFAULT_PROMPTS, "prompt", args.batch, chat_template=True)
+        totals.clear()
+        llm.generate(texts, params, prompt_token_ids=ids)
+        stats = llm.last_stats
+        recording = stats.graph_record_seconds                  # one-time, inside the forward: left out
+        for label in (TIMED[1][2], TIMED[2][2]):
+            totals[label] -= recording
+        per_step = 1e3 / stats.steps
+        print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
+              f"{(stats.seconds - recording) * per_step:.2f} ms per step ({stats.graphs_recorded} graphs recorded "
+              f"in {recording:.1f} s, left out), mean accepted {stats.summary(8).get('mean_accepted')}")
+        for _, _, label in TIMED:
+            print(f"  {label:34s} {totals[label] * per_step:7.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
