@@ -17,9 +17,7 @@ import torch
 
 from nano_sparsespec import LLM, SamplingParams
 
-MODES = {"plain": dict(method="plain"),
-         "pillar-naive": dict(method="pillar", batch_policy="naive"),
-         "pillar-async": dict(method="pillar", batch_policy="balanced", async_verify=True)}
+from engine_split import MODES  # noqa: E402  (this folder is on sys.path when run as a script)
 
 
 def package_frame() -> str:
