@@ -16,9 +16,9 @@ Owns
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the PillarAttn score pass and the sparse draft kernel
-    (same math; the sparse one written so that its gathers fuse into the kernel); dense attention runs torch's fused
-    SDPA over gathered K/V, or, with `compile_kernels(paged=True)` (the GPU), `paged_attention`: compiled
-    flex_attention reading the pool in place through a block mask that `prepare` builds once per step.
+    (same math, float tolerance); dense attention runs torch's fused SDPA over gathered K/V, or, with
+    `compile_kernels(paged=True)` (the GPU), `paged_attention`: compiled flex_attention reading the pool in place
+    through a block mask that `prepare` builds once per step.
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
 """
