@@ -9,6 +9,7 @@ import torch
 from conftest import GREEDY
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
+from nano_sparsespec.runner import StepResult
 
 
 def run(path, prompts, params=GREEDY, **spec):
@@ -206,3 +207,23 @@ def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
     seqs[1].row = 1                                   # a new request in the freed row
     cache.append(7, 11)
     check()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_fetch_returns_the_step_results_and_waits_for_that_step_only(device):
+    """`StepResult.fetch` hands the host one step's results (one packed copy, queued by `start_copy` at the end of
+    `launch`). On CUDA it must not wait for work queued after that copy: with delayed verification that work is the
+    next step, which the host's processing of this one is meant to overlap. Here the next step is a GPU spin of about
+    a second, still running when the fetch returns."""
+    dev = torch.device(device)
+    result = StepResult([], [], [2, 1], torch.tensor([2, 0], device=dev), torch.tensor([7, 9], device=dev),
+                        torch.tensor([False, True], device=dev), torch.tensor([[3, 4], [5, 0]], device=dev), None)
+    result.start_copy()
+    if dev.type == "cuda":
+        torch.cuda._sleep(2 ** 31)                           # queued behind the copy
+    got = result.fetch()
+    if dev.type == "cuda":
+        assert not torch.cuda.current_stream().query()        # the "next step" is still running
+        torch.cuda.synchronize()
+    assert got == {"num_accepted": [2, 0], "next_token": [7, 9], "is_bonus": [False, True],
+                   "draft_tokens": [[3, 4], [5, 0]]}
