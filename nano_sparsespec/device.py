@@ -3,9 +3,13 @@
 Owns `to_device`: a Python list becomes a tensor on the device through a pinned staging buffer and a non-blocking
 copy. A plain `torch.tensor(data, device="cuda")` waits for the copy, and so for everything queued before it: with
 delayed verification that would make the host wait for the GPU step it wanted to overlap.
+`to_device_packed` sends many integer lists at once: a step needs a few dozen small index lists, and each copy
+costs the host more than its bytes (a tensor from a list, a pinned buffer, a copy launch), so a step sends them as one.
 Also `common_prefix`, how much of a list mirrored on the device is still current (the rest must be sent again).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -15,6 +19,30 @@ def to_device(data, dtype: torch.dtype, device=None) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def to_device_packed(lists: dict[str, list], device=None) -> dict[str, torch.Tensor]:
+    """Named integer lists -> Long tensors on the device, sent in one copy (each tensor is a view of that copy).
+
+    A value is a flat list of ints ([N]) or a non-empty list of equal-length lists of ints ([N, M])."""
+    flat, shapes = [], {}
+    for name, values in lists.items():
+        if values and isinstance(values[0], (list, tuple)):
+            shapes[name] = (len(values), len(values[0]))
+            for row in values:
+                if len(row) != len(values[0]):
+                    raise ValueError(f"{name}: rows of {len(values[0])} and {len(row)} values")
+                flat += row
+        else:
+            shapes[name] = (len(values),)
+            flat += values
+    packed = to_device(flat, torch.long, device)
+    tensors, at = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        tensors[name] = packed[at:at + size].view(shape)
+        at += size
+    return tensors
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

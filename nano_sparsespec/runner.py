@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from . import pillar_attn, verifier
-from .config import SpecConfig
+from .config import SamplingParams, SpecConfig
 from .kv_cache import KVCache
 from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
 from .cuda_graphs import StepGraphs
-from .device import common_prefix, to_device
+from .device import common_prefix, to_device, to_device_packed
 from .scheduler import Sequence, Work
 
 
@@ -85,6 +85,9 @@ class ModelRunner:
         # each row's block table mirrored on the device, so a step sends only the entries that changed
         self.block_tables = torch.zeros(rows, 0, dtype=torch.long, device=self.device)    # [rows, capacity]
         self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * rows                # (seq_id, table as sent)
+        # each row's sampling parameters, sent once when a request takes the row
+        self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * rows, [0] * rows, self.device)
+        self.params_sent = [-1] * rows                                                    # seq_id holding a row
 
     # --- critical positions ------------------------------------------------------------------------------------------
     def set_selection(self, seq: Sequence, positions: torch.Tensor) -> None:
@@ -112,34 +115,48 @@ class ModelRunner:
             self.context_tokens[seq.row, sent:n] = self._dev(seq.tokens[sent:n])
         self.tokens_sent[seq.row] = (seq.seq_id, n)
 
-    # --- building the step -------------------------------------------------------------------------------------------
-    def _dev(self, data, dtype=torch.long) -> torch.Tensor:
-        return to_device(data, dtype, self.device)
+    # --- building the step: host lists first, one copy, then device tensors --------------------------------------
+    def _table_changes(self, seqs: list[Sequence]) -> list[list[int]]:
+        """(row, column, block) entries of the device block tables that differ from the host tables of `seqs`.
 
-    def _block_tables(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
-        """Block tables [B, max_blocks] (on the device) of these requests, whose rows are `rows` [B] (device).
+        A table only changes at its end (append adds blocks, rollback drops them), so usually nothing or one new
+        block per request; `_apply_table_changes` writes them. Columns past a request's own table keep stale but
+        valid block ids (masked by the context length, like padding)."""
+        changes = []
+        for seq in seqs:
+            table = self.cache.pool.tables[seq.seq_id]
+            owner, sent = self.tables_sent[seq.row]
+            if owner != seq.seq_id or sent != table:
+                same = common_prefix(sent, table) if owner == seq.seq_id else 0
+                changes += [[seq.row, j, table[j]] for j in range(same, len(table))]
+                self.tables_sent[seq.row] = (seq.seq_id, list(table))
+        return changes
 
-        The device copy is brought up to date first, sending only what changed since a row's last step: a table only
-        changes at its end (append adds blocks, rollback drops them), so usually nothing or one new block. Columns
-        past a request's own table hold stale but valid block ids (masked by the context length, like padding)."""
-        tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
-        width = max(len(t) for t in tables)
+    def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:
+        """Grow the device tables to `width` columns if needed and write `changes` [C, 3] (row, column, block)."""
         if width > self.block_tables.shape[1]:
             grown = torch.zeros(self.block_tables.shape[0], max(width, 2 * self.block_tables.shape[1]),
                                 dtype=torch.long, device=self.device)
             grown[:, :self.block_tables.shape[1]] = self.block_tables
             self.block_tables = grown
-        changes = []                                                                    # (row, column, block)
-        for seq, table in zip(seqs, tables):
-            owner, sent = self.tables_sent[seq.row]
-            if owner != seq.seq_id or sent != table:
-                same = common_prefix(sent, table) if owner == seq.seq_id else 0
-                changes += [(seq.row, j, table[j]) for j in range(same, len(table))]
-                self.tables_sent[seq.row] = (seq.seq_id, list(table))
-        if changes:
-            row, column, block = self._dev(changes).unbind(1)
+        if changes is not None:
+            row, column, block = changes.unbind(1)
             self.block_tables[row, column] = block
-        return self.block_tables[rows, :width]
+
+    def _send_sampling_params(self, seqs: list[Sequence]) -> None:
+        """Bring the per-row sampling table up to date for requests new in their rows (once per request)."""
+        new = [s for s in seqs if self.params_sent[s.row] != s.seq_id]
+        if not new:
+            return
+        fresh = verifier.SamplingTensors.from_params([s.params for s in new], [s.seed for s in new], self.device)
+        rows = self._dev([s.row for s in new])
+        for name in ("temperature", "top_k", "top_p", "seed", "greedy"):
+            getattr(self.sampling, name)[rows] = getattr(fresh, name)
+        for s in new:
+            self.params_sent[s.row] = s.seq_id
+
+    def _dev(self, data, dtype=torch.long) -> torch.Tensor:
+        return to_device(data, dtype, self.device)
 
     def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pool slots of positions [B, ...] of the requests whose padded block tables are `tables` [B, max_blocks]."""
@@ -148,49 +165,69 @@ class ModelRunner:
         block = torch.gather(tables, 1, (flat // bs).clamp(max=tables.shape[1] - 1))
         return (block * bs + flat % bs).view(positions.shape)
 
-    def _dense_batch(self, dense: list[Work], row_of: list[int], with_scores: list[bool]) -> DenseBatch:
+    @staticmethod
+    def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
+        q_max = max(w.num_tokens for w, _ in dense)
+        lists = {"dense_first_row": [r for _, r in dense], "dense_start": [w.start for w, _ in dense],
+                 "dense_q_len": [w.num_tokens for w, _ in dense], "dense_row": [w.seq.row for w, _ in dense],
+                 # where the real (non-padding) query rows sit: flat index into [Bd * Qmax], and their rows in the step
+                 "valid_flat": [b * q_max + j for b, (w, _) in enumerate(dense) for j in range(w.num_tokens)],
+                 "valid_rows": [r + j for w, r in dense for j in range(w.num_tokens)]}
+        if with_scores:
+            # which query rows count in the PillarAttn scores: 1 all real rows (a verification), 2 the last row only
+            # (a last prefill chunk), 0 none (an earlier prefill chunk)
+            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0 for w, _ in dense]
+        return lists
+
+    def _dense_batch(self, dense: list[Work], dev: dict[str, torch.Tensor]) -> DenseBatch:
         q_max, ctx_max = max(w.num_tokens for w in dense), max(w.start + w.num_tokens for w in dense)
-        starts = self._dev([w.start for w in dense])                                    # [Bd]
-        q_lens = self._dev([w.num_tokens for w in dense])                               # [Bd]
+        starts, q_lens = dev["dense_start"], dev["dense_q_len"]                        # [Bd]
         qi = torch.arange(q_max, device=self.device)
         q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
-        q_index = (self._dev(row_of)[:, None] + qi).where(q_valid, 0)
-        # Where the real (non-padding) query rows sit: flat index into [Bd * Qmax], and their rows in the step.
-        valid_flat = self._dev([b * q_max + j for b, w in enumerate(dense) for j in range(w.num_tokens)])
-        valid_rows = self._dev([r + j for r, w in zip(row_of, dense) for j in range(w.num_tokens)])
+        q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, 0)
         num_blocks = -(-ctx_max // self.cache.block_size)
         kv_pos = torch.arange(num_blocks * self.cache.block_size, device=self.device).expand(len(dense), -1)  # [Bd, Lmax]
         q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
         mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
         mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
-        seq_rows = self._dev([w.seq.row for w in dense])
-        block_table = self._block_tables([w.seq for w in dense], seq_rows)[:, :num_blocks]   # [Bd, Lmax / block]
-        batch = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask, starts)
-        if any(with_scores):
-            # Verification rows all count; after a last prefill chunk only its last row does.
-            last = (q_lens - 1)[:, None]
-            is_verify = self._dev([w.kind == "verify" for w in dense], torch.bool)[:, None]
-            rows = q_valid & (is_verify | (qi[None, :] == last))
-            rows &= self._dev(with_scores, torch.bool)[:, None]
+        block_table = self.block_tables[dev["dense_row"], :num_blocks]                  # [Bd, Lmax / block]
+        batch = DenseBatch(q_index, q_valid, dev["valid_flat"], dev["valid_rows"], block_table, mask, starts)
+        if "score_rows" in dev:
+            rule = dev["score_rows"][:, None]                                           # [Bd, 1]
+            rows = q_valid & ((rule == 1) | ((rule == 2) & (qi[None, :] == (q_lens - 1)[:, None])))
             batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
             batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, kv_pos.shape[1], device=self.device)
         return batch
 
-    def _sparse_batch(self, drafts: list[Work], row_of: list[int], input_ids: torch.Tensor) -> SparseBatch:
+    def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
+        seqs = [w.seq for w, _ in sparse]
+        lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
+                 "sparse_verified": [s.num_verified for s in seqs],
+                 "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
+                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}  # written since verification
+        if self.spec.method == "pillar-lookup":
+            # The token before each draft's input: committed (mirrored in context_tokens, the pending one included)
+            # or one of this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
+            prev = [w.start - 1 for w, _ in sparse]
+            lists["prev_committed"] = [min(p, s.num_verified) for p, s in zip(prev, seqs)]
+            lists["prev_drafted"] = [max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)]
+            lists["prev_in_context"] = [int(p <= s.num_verified) for p, s in zip(prev, seqs)]
+        return lists
+
+    def _sparse_batch(self, drafts: list[Work], dev: dict[str, torch.Tensor], input_ids: torch.Tensor) -> SparseBatch:
         seqs = [w.seq for w in drafts]
-        windows = [w.start - w.seq.num_verified + 1 for w in drafts]   # positions written since the verification
-        sel_max, win_max = max(self.selection_len[s.row] for s in seqs), max(windows)
-        n_sel = self._dev([self.selection_len[s.row] for s in seqs])                    # [Bs]
-        n_win = self._dev(windows)                                                      # [Bs]
-        rows, verified = self._dev([s.row for s in seqs]), self._dev([s.num_verified for s in seqs])   # [Bs]
-        tables = self._block_tables(seqs, rows)
+        sel_max = max(self.selection_len[s.row] for s in seqs)
+        win_max = max(w.start - w.seq.num_verified + 1 for w in drafts)
+        width = max(len(self.cache.pool.tables[s.seq_id]) for s in seqs)
+        rows, verified, n_sel = dev["sparse_row"], dev["sparse_verified"], dev["sparse_n_sel"]   # [Bs]
+        tables = self.block_tables[rows, :width]                                        # [Bs, blocks]
         sel_pos = self.selection[rows, :, :, :sel_max]                                  # [Bs, L, n_kv, Nsel]
         sel_valid = torch.arange(sel_max, device=self.device)[None] < n_sel[:, None]   # [Bs, Nsel]
         if self.spec.method == "pillar-lookup":
             # Refreshed at every draft step: positions found from this draft's input token replace the lowest-ranked
             # critical positions of each (layer, KV head); the count stays the budget.
             # Same width and count as the selection (sel_valid holds): the step gathers B + window entries.
-            lookup, lookup_valid = self._lookups(drafts, rows, verified, input_ids[self._dev(row_of)])  # [Bs, M]
+            lookup, lookup_valid = self._lookups(seqs, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
             sel_pos = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)     # [Bs, L, n_kv, Nsel]
         win_pos = verified[:, None] + torch.arange(win_max, device=self.device)         # [Bs, W]
         sel_slots = self._slots(tables, sel_pos)                                        # [Bs, L, n_kv, Nsel]
@@ -198,32 +235,82 @@ class ModelRunner:
         slots = torch.cat([sel_slots, win_slots], dim=-1)                               # [Bs, L, n_kv, S]
         heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
         kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()         # [L, Bs, n_kv, S]
-        valid = torch.cat([sel_valid, torch.arange(win_max, device=self.device)[None] < n_win[:, None]], dim=1)
-        return SparseBatch(self._dev(row_of), kv_index, valid)
+        win_valid = torch.arange(win_max, device=self.device)[None] < dev["sparse_window"][:, None]
+        valid = torch.cat([sel_valid, win_valid], dim=1)                                # [Bs, S]
+        return SparseBatch(dev["sparse_first_row"], kv_index, valid)
 
-    def _lookups(self, drafts: list[Work], rows: torch.Tensor, verified: torch.Tensor, tokens: torch.Tensor):
+    def _lookups(self, seqs: list[Sequence], dev: dict[str, torch.Tensor], tokens: torch.Tensor):
         """pillar-lookup: the positions each draft's input token `tokens` [Bs] finds in its verified context."""
-        seqs = [w.seq for w in drafts]
-        # The token before each input: committed (mirrored in context_tokens, the pending one included) or one of
-        # this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
-        prev = [w.start - 1 for w in drafts]
-        committed = self.context_tokens[rows, self._dev([min(p, s.num_verified) for p, s in zip(prev, seqs)])]
-        drafted = self.draft_tokens[rows, self._dev([max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)])]
-        in_context = self._dev([p <= s.num_verified for p, s in zip(prev, seqs)], torch.bool)
+        rows, verified = dev["sparse_row"], dev["sparse_verified"]
+        committed = self.context_tokens[rows, dev["prev_committed"]]
+        drafted = self.draft_tokens[rows, dev["prev_drafted"]]
         context_tokens = self.context_tokens[rows, :max(s.num_verified for s in seqs)]              # [Bs, Lc]
         return pillar_attn.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
-                                            torch.where(in_context, committed, drafted))
+                                            torch.where(dev["prev_in_context"] != 0, committed, drafted))
 
-    # --- one step ----------------------------------------------------------------------------------------------------
+    # --- one step ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, works: list[Work]) -> StepResult:
+        method = self.spec.method
+        first_row, num_rows = [], 0                 # each work's first row in the step's flat token list
+        for w in works:
+            first_row.append(num_rows)
+            num_rows += w.num_tokens
+        placed = list(zip(works, first_row))
+        dense = [(w, r) for w, r in placed if w.kind != "draft" or method == "full"]
+        sparse = [(w, r) for w, r in placed if w.kind == "draft" and method != "full"]
+        drafts = [(w, r) for w, r in placed if w.kind == "draft"]
+        checks = [(w, r) for w, r in placed if w.kind == "verify" or w.final_prefill]
+        wants_scores = method in ("pillar", "pillar-lookup")
+
+        # Everything the host knows about the step, as named integer lists; then one copy to the device.
+        seqs = [w.seq for w in works]
+        lists = self._token_lists(works)
+        changes = self._table_changes(seqs)
+        if changes:
+            lists["table_changes"] = changes
+        if dense:
+            lists |= self._dense_lists(dense, wants_scores and any(w.kind == "verify" or w.final_prefill
+                                                                   for w, _ in dense))
+        if sparse:
+            lists |= self._sparse_lists(sparse)
+        if drafts:
+            lists |= self._draft_lists(drafts)
+        if checks:
+            lists |= self._check_lists(checks, dense if wants_scores else None)
+        self._send_sampling_params(seqs)
+        dev = to_device_packed(lists, self.device)
+
+        self._apply_table_changes(dev.get("table_changes"), max(len(self.cache.pool.tables[s.seq_id]) for s in seqs))
+        input_ids = dev["input_ids"]                                                    # [T]
+        if "feed_at" in dev:       # inputs that are this cycle's drafts, still on the device only
+            input_ids[dev["feed_at"]] = self.draft_tokens[dev["feed_row"], dev["feed_column"]]
+        ctx = AttentionContext(self.cache.k, self.cache.v, dev["slots"], self.cache.block_size)
+        if dense:
+            ctx.dense = self._dense_batch([w for w, _ in dense], dev)
+        if sparse:
+            ctx.sparse = self._sparse_batch([w for w, _ in sparse], dev, input_ids)
+        static = self.graphs is not None and all(w.kind != "prefill" for w in works)
+        forward = self.graphs.forward if static else self.model
+        hidden = forward(input_ids, dev["positions"], ctx)       # [T, hidden]
+
+        if drafts:
+            self._sample_drafts(hidden, [w.seq for w, _ in drafts], dev)
+        result = self._verify(hidden, checks, dev)
+        if wants_scores and checks:
+            result.scores = ctx.dense.scores[:, dev["check_dense_index"]]
+        result.works = works
+        result.start_copy()
+        return result
+
+    def _token_lists(self, works: list[Work]) -> dict[str, list]:
+        """input_ids, positions and KV slots of every token of the step [T]; where inputs come from the draft buffer."""
         ids, positions, slots = [], [], []
-        feed_at, feed_from = [], []                # flat rows whose input is a draft token still on the device
-        first_row = []
+        feed_at, feed_row, feed_column = [], [], []     # flat rows whose input is a draft token still on the device
+        bs = self.cache.block_size
         for w in works:
             seq = w.seq
-            first_row.append(len(ids))
-            pos = list(range(w.start, w.start + w.num_tokens))
+            pos = range(w.start, w.start + w.num_tokens)
             if w.kind == "prefill":
                 inputs = seq.tokens[w.start:w.start + w.num_tokens]
             elif self.spec.method == "ngram":
@@ -234,87 +321,77 @@ class ModelRunner:
                 for j, p in enumerate(pos):
                     if p >= first_draft:
                         feed_at.append(len(ids) + j)
-                        feed_from.append((seq.row, p - first_draft))
+                        feed_row.append(seq.row)
+                        feed_column.append(p - first_draft)
             table = self.cache.pool.tables[seq.seq_id]
-            bs = self.cache.block_size
             ids += inputs
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
-        input_ids = self._dev(ids)
+        lists = {"input_ids": ids, "positions": positions, "slots": slots}
         if feed_at:
-            src = self._dev(feed_from)
-            input_ids[self._dev(feed_at)] = self.draft_tokens[src[:, 0], src[:, 1]]
+            lists |= {"feed_at": feed_at, "feed_row": feed_row, "feed_column": feed_column}
+        return lists
 
-        dense = [(w, r) for w, r in zip(works, first_row)
-                 if w.kind != "draft" or self.spec.method == "full"]
-        sparse = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft" and self.spec.method != "full"]
-        wants_scores = self.spec.method in ("pillar", "pillar-lookup")
-        ctx = AttentionContext(self.cache.k, self.cache.v, self._dev(slots), self.cache.block_size)
-        if dense:
-            ctx.dense = self._dense_batch([w for w, _ in dense], [r for _, r in dense],
-                                          [wants_scores and (w.kind == "verify" or w.final_prefill)
-                                           for w, _ in dense])
-        if sparse:
-            ctx.sparse = self._sparse_batch([w for w, _ in sparse], [r for _, r in sparse], input_ids)
-        static = self.graphs is not None and all(w.kind != "prefill" for w in works)
-        forward = self.graphs.forward if static else self.model
-        hidden = forward(input_ids, self._dev(positions), ctx)       # [T, hidden]
+    @staticmethod
+    def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
+        return {"draft_logit_row": [r for _, r in drafts],
+                "draft_decided": [w.start + 1 for w, _ in drafts],            # position each draft will occupy
+                "draft_row": [w.seq.row for w, _ in drafts],
+                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts]}
 
-        drafts = [(w, r) for w, r in zip(works, first_row) if w.kind == "draft"]
-        checks = [(w, r) for w, r in zip(works, first_row) if w.kind == "verify" or w.final_prefill]
-        if drafts:
-            self._sample_drafts(hidden, drafts)
-        result = self._verify(hidden, checks)
-        if wants_scores and checks:
-            dense_index = {id(w): i for i, (w, _) in enumerate(dense)}
-            # a device index: indexing with a Python list would copy it from pageable memory, waiting for the forward
-            result.scores = ctx.dense.scores[:, self._dev([dense_index[id(w)] for w, _ in checks])]
-        result.works = works
-        result.start_copy()
-        return result
-
-    def _sample_drafts(self, hidden: torch.Tensor, drafts: list[tuple[Work, int]]) -> None:
-        dev = self.device
-        seqs = [w.seq for w, _ in drafts]
-        logits = self.model.logits(hidden[self._dev([r for _, r in drafts])])      # [Bs, V]
-        st = verifier.SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], dev)
+    def _sample_drafts(self, hidden: torch.Tensor, seqs: list[Sequence], dev: dict[str, torch.Tensor]) -> None:
+        logits = self.model.logits(hidden[dev["draft_logit_row"]])                     # [Bs, V]
+        st = self.sampling.select(dev["draft_row"], [s.params for s in seqs])
         probs = verifier.probs_from_logits(logits, st)
-        decided = self._dev([w.start + 1 for w, _ in drafts])                  # position each draft will occupy
-        tokens = verifier.sample(probs, st, decided, verifier.SALT_DRAFT)
-        rows = self._dev([s.row for s in seqs])
-        index = self._dev([w.start - w.seq.num_verified for w, _ in drafts])
+        tokens = verifier.sample(probs, st, dev["draft_decided"], verifier.SALT_DRAFT)
+        rows, index = dev["draft_row"], dev["draft_index"]
         self.draft_tokens[rows, index] = tokens
-        if not all(s.params.greedy for s in seqs):
+        if not st.all_greedy:
             if self.draft_probs is None:
-                self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=dev)
+                self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=self.device)
             self.draft_probs[rows, index] = probs
 
-    def _verify(self, hidden: torch.Tensor, checks: list[tuple[Work, int]]) -> StepResult:
-        dev = self.device
+    def _check_lists(self, checks: list[tuple[Work, int]], dense: list[tuple[Work, int]] | None) -> dict[str, list]:
+        """Verifications and last prefill chunks; `dense` (when scores are wanted): the step's dense works."""
         num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]
-        if not checks:
-            empty = torch.zeros(0, dtype=torch.long, device=dev)
-            return StepResult([], [], [], empty, empty, empty.bool(), empty[:, None], None)
         m_max = max(num_drafts)
+        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
+        logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
+                      else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
+        lists = {"verify_logit_rows": logit_rows, "verify_row": [w.seq.row for w, _ in checks],
+                 "verify_row_per_logit": [w.seq.row for w, _ in checks for _ in range(m_max + 1)],
+                 "verify_num_drafts": num_drafts,
+                 "verify_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
+                                           for w, _ in checks]}
+        if self.spec.method == "ngram":
+            lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
+                                     for (w, _), m in zip(checks, num_drafts)]                 # [Bv, M]
+        if dense is not None:
+            dense_index = {id(w): i for i, (w, _) in enumerate(dense)}
+            lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
+        return lists
+
+    def _verify(self, hidden: torch.Tensor, checks: list[tuple[Work, int]], dev: dict[str, torch.Tensor]) -> StepResult:
+        if not checks:
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
+            return StepResult([], [], [], empty, empty, empty.bool(), empty[:, None], None)
         seqs = [w.seq for w, _ in checks]
-        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row.
-        rows = [[r + j for j in range(m + 1)] if w.kind == "verify" else [r + w.num_tokens - 1]
-                for (w, r), m in zip(checks, num_drafts)]
-        padded = self._dev([rs + [rs[-1]] * (m_max + 1 - len(rs)) for rs in rows])                 # [Bv, M+1]
-        st = verifier.SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], dev)
-        logits = self.model.logits(hidden[padded.flatten()])                                       # [Bv*(M+1), V]
-        st_rows = st.rows(torch.arange(len(checks), device=dev).repeat_interleave(m_max + 1))
-        target = verifier.probs_from_logits(logits, st_rows).view(len(checks), m_max + 1, -1)     # [Bv, M+1, V]
+        params = [s.params for s in seqs]
+        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]
+        m_max = max(num_drafts)
+        logit_rows = dev["verify_logit_rows"]                                           # [Bv, M+1]
+        logits = self.model.logits(hidden[logit_rows.flatten()])                        # [Bv*(M+1), V]
+        target = verifier.probs_from_logits(logits, self.sampling.select(dev["verify_row_per_logit"], params))
+        target = target.view(len(checks), m_max + 1, -1)                                # [Bv, M+1, V]
+        st = self.sampling.select(dev["verify_row"], params)
         draft_probs = None
         if self.spec.method == "ngram":
-            draft_tokens = self._dev([s.ngram_drafts[:m] + [0] * (m_max - m) for s, m in zip(seqs, num_drafts)])
+            draft_tokens = dev["ngram_drafts"]                                          # [Bv, M]
         else:
-            buf_rows = self._dev([s.row for s in seqs])
-            draft_tokens = self.draft_tokens[buf_rows, :m_max].clone()                              # [Bv, M]
-            if self.draft_probs is not None and not all(s.params.greedy for s in seqs):
-                draft_probs = self.draft_probs[buf_rows, :m_max]
-        first_position = self._dev([w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
-                                    for w, _ in checks])
-        out = verifier.verify(target, draft_tokens, draft_probs, self._dev(num_drafts), st, first_position)
+            draft_tokens = self.draft_tokens[dev["verify_row"], :m_max]                  # [Bv, M] (a copy)
+            if self.draft_probs is not None and not st.all_greedy:
+                draft_probs = self.draft_probs[dev["verify_row"], :m_max]
+        out = verifier.verify(target, draft_tokens, draft_probs, dev["verify_num_drafts"], st,
+                              dev["verify_first_position"])
         return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
                           draft_tokens, None)

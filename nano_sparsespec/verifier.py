@@ -120,7 +120,6 @@ class SamplingTensors:
         if any(not isinstance(s, int) for s in seeds):
             raise ValueError(f"seeds must be ints (resolve seed=None before sampling), got {seeds!r}")
         greedy = [p.greedy for p in params_list]
-        sampled = [p for p in params_list if not p.greedy]
         return cls(
             temperature=to_device([0.0 if g else float(p.temperature) for g, p in zip(greedy, params_list)],
                                   torch.float32, device),
@@ -128,15 +127,26 @@ class SamplingTensors:
             top_p=to_device([float(p.top_p) for p in params_list], torch.float32, device),
             seed=to_device([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.long, device),
             greedy=to_device(greedy, torch.bool, device),
-            use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
+            **cls.host_flags(params_list),
         )
+
+    @staticmethod
+    def host_flags(params_list: list[SamplingParams]) -> dict:
+        """use_filter / all_greedy / any_greedy of rows holding these params."""
+        greedy = [p.greedy for p in params_list]
+        return dict(use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params_list if not p.greedy),
+                    all_greedy=all(greedy), any_greedy=any(greedy))
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. k+1 verify rows per request)."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
                                self.greedy[index], self.use_filter, self.all_greedy, self.any_greedy)
+
+    def select(self, index: torch.Tensor, params_list: list[SamplingParams]) -> "SamplingTensors":
+        """Rows `index` Long[M] of a table of per-request rows, whose requests' params are `params_list` (M): the
+        host flags come from those params, so rows of other requests in the table do not change them."""
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
+                               self.greedy[index], **self.host_flags(params_list))
 
     def __len__(self) -> int:
         return self.seed.shape[0]

@@ -185,7 +185,10 @@ def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
 
     def check():
         live = [s for s in seqs if s.seq_id in cache.pool.tables]
-        tables = runner._block_tables(live, torch.tensor([s.row for s in live]))
+        changes = runner._table_changes(live)
+        runner._apply_table_changes(torch.tensor(changes) if changes else None,
+                                    max(len(cache.pool.tables[s.seq_id]) for s in live))
+        tables = runner.block_tables[[s.row for s in live]]
         for s, row in zip(live, tables.tolist()):
             table = cache.pool.tables[s.seq_id]
             assert row[:len(table)] == table, s.seq_id
