@@ -2,10 +2,13 @@
 
 Owns
   * building the step's flat inputs (`input_ids [T]`, `positions [T]`, `slot_mapping [T]`) and the
-    `AttentionContext` (which requests attend densely, which draft tokens attend sparsely and to which slots);
+    `AttentionContext` (which requests attend densely, which draft tokens attend sparsely and to which slots). The
+    host first writes every index list the step needs (`_*_lists`), sends them in one copy, then builds the
+    tensors from those on the device;
   * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling), the
-    critical positions each request's drafts attend to, and a mirror of each request's block table (updated with
-    only the entries that changed, so a step does not rebuild [B, blocks] tables from Python lists);
+    critical positions each request's drafts attend to, each request's sampling parameters (sent once per request),
+    and a mirror of each request's block table (updated with only the entries that changed, so a step does not
+    rebuild [B, blocks] tables from Python lists);
   * after the forward: sampling draft tokens, and verification (`verifier.verify`) for verifying requests and for a
     request's last prefill chunk (a verification with no drafts).
 Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
