@@ -1,0 +1,31 @@
+"""device.py's packed upload of a step's integer lists; verifier.py's sampling rows picked from per-row tables."""
+import pytest
+import torch
+
+from nano_sparsespec.config import SamplingParams
+from nano_sparsespec.device import to_device_packed
+from nano_sparsespec.verifier import SamplingTensors
+
+
+def test_packed_lists_come_back_as_named_tensors_of_their_shapes():
+    got = to_device_packed({"ids": [5, 6, 7], "rows": [[1, 2], [3, 4]], "empty": [], "zero_width": [[], []]})
+    assert got["ids"].tolist() == [5, 6, 7] and got["ids"].dtype == torch.long
+    assert got["rows"].tolist() == [[1, 2], [3, 4]]
+    assert got["empty"].shape == (0,) and got["zero_width"].shape == (2, 0)
+    got["ids"][0] = 9                                   # views of one copy: writing one leaves the others alone
+    assert got["rows"].tolist() == [[1, 2], [3, 4]]
+
+
+def test_packed_lists_reject_ragged_rows_by_name():
+    with pytest.raises(ValueError, match="logit_rows: rows of 2 and 3 values"):
+        to_device_packed({"logit_rows": [[1, 2], [3, 4, 5]]})
+
+
+def test_selected_sampling_rows_take_their_flags_from_their_own_requests():
+    table = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9),
+                                         SamplingParams(temperature=1.0)], [1, 2, 3])
+    params = [SamplingParams(), SamplingParams(temperature=1.0)]
+    st = table.select(torch.tensor([0, 2]), params)
+    assert st.seed.tolist() == [1, 3] and st.greedy.tolist() == [True, False]
+    assert (st.use_filter, st.all_greedy, st.any_greedy) == (False, False, True)   # row 1's top_p is not selected
+    assert table.select(torch.tensor([0]), [SamplingParams()]).all_greedy
