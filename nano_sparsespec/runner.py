@@ -264,6 +264,7 @@ class ModelRunner:
         sparse = [(w, r) for w, r in placed if w.kind == "draft" and method != "full"]
         drafts = [(w, r) for w, r in placed if w.kind == "draft"]
         checks = [(w, r) for w, r in placed if w.kind == "verify" or w.final_prefill]
+        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]   # drafts each check checks
         wants_scores = method in ("pillar", "pillar-lookup")
 
         # Everything the host knows about the step, as named integer lists; then one copy to the device.
@@ -280,7 +281,7 @@ class ModelRunner:
         if drafts:
             lists |= self._draft_lists(drafts)
         if checks:
-            lists |= self._check_lists(checks, dense if wants_scores else None)
+            lists |= self._check_lists(checks, num_drafts, dense if wants_scores else None)
         self._send_sampling_params(seqs)
         dev = to_device_packed(lists, self.device)
 
@@ -299,7 +300,7 @@ class ModelRunner:
 
         if drafts:
             self._sample_drafts(hidden, [w.seq for w, _ in drafts], dev)
-        result = self._verify(hidden, checks, dev)
+        result = self._verify(hidden, checks, num_drafts, dev)
         if wants_scores and checks:
             result.scores = ctx.dense.scores[:, dev["check_dense_index"]]
         result.works = works
@@ -354,9 +355,9 @@ class ModelRunner:
                 self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=self.device)
             self.draft_probs[rows, index] = probs
 
-    def _check_lists(self, checks: list[tuple[Work, int]], dense: list[tuple[Work, int]] | None) -> dict[str, list]:
+    def _check_lists(self, checks: list[tuple[Work, int]], num_drafts: list[int],
+                     dense: list[tuple[Work, int]] | None) -> dict[str, list]:
         """Verifications and last prefill chunks; `dense` (when scores are wanted): the step's dense works."""
-        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]
         m_max = max(num_drafts)
         # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
         logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
@@ -374,13 +375,13 @@ class ModelRunner:
             lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
         return lists
 
-    def _verify(self, hidden: torch.Tensor, checks: list[tuple[Work, int]], dev: dict[str, torch.Tensor]) -> StepResult:
+    def _verify(self, hidden: torch.Tensor, checks: list[tuple[Work, int]], num_drafts: list[int],
+                dev: dict[str, torch.Tensor]) -> StepResult:
         if not checks:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             return StepResult([], [], [], empty, empty, empty.bool(), empty[:, None], None)
         seqs = [w.seq for w, _ in checks]
         params = [s.params for s in seqs]
-        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]
         m_max = max(num_drafts)
         logit_rows = dev["verify_logit_rows"]                                           # [Bv, M+1]
         logits = self.model.logits(hidden[logit_rows.flatten()])                        # [Bv*(M+1), V]
