@@ -8,7 +8,9 @@ Owns
     - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host processes step t-1, so on
       CUDA the CPU bookkeeping of t-1 overlaps the GPU work of t (kernels are queued on the current stream; the one
       synchronisation is `StepResult.fetch`). A request whose verification is still being processed sits out one step
-      (the stall); draft tokens feed the next draft step from a device buffer without a round trip. On the CPU, torch
+      (the stall); draft tokens feed the next draft step from a device buffer without a round trip. Plain decoding
+      has no stall: it runs ahead on the token in flight (`SpecConfig.runs_ahead`), and a request that turns out to
+      have stopped (EOS, a stop string) at step t-1 has its step t result dropped. On the CPU, torch
       runs each op to completion as it is issued, so the same schedule runs with no overlap.
   * `LLM`: load a model (the embedded default or a HF directory), tokenize with the chat template, run `Engine`,
     return `RequestOutput`s. A bad request becomes an output with `error` set; the other requests still complete.
@@ -160,7 +162,7 @@ class Engine:
         refresh = []                                   # (index in result, request) whose critical positions change
         for i, w in enumerate(result.verify_works):
             seq = w.seq
-            seq.awaiting_result = False
+            seq.results_in_flight -= 1
             if seq.status == Status.FINISHED:
                 continue
             accepted, offered = got["num_accepted"][i], result.num_drafts[i]

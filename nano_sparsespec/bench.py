@@ -5,7 +5,9 @@ Owns
     cycled to `--batch-size` requests; every row decodes the very same token ids;
   * the rows, measured one after another in one process:
         hf            transformers `generate`, batched with left padding (the peer)
-        plain         our engine, method="plain" (k = 0)
+        plain         our engine, method="plain" (k = 0), overlapped: each step is launched before the host reads the
+                      previous step's token (`SpecConfig.runs_ahead`) — our best plain path, the baseline
+        plain-sync    the same without the overlap: the host reads each token before it launches the next step
         ngram         prompt-lookup drafts, verified every step
         streaming     StreamingLLM drafts (sinks + recent window), naive lock-step, sync
         pillar-naive  PillarAttn drafts, naive lock-step, sync
@@ -61,7 +63,8 @@ H200_PEAK_GBS = 4300.0
 # name -> SpecConfig fields (None: transformers). "offload" is not a SpecConfig field: it means "bounded kv_blocks".
 ROWS: dict[str, dict | None] = {
     "hf": None,
-    "plain": dict(method="plain"),
+    "plain": dict(method="plain", async_verify=True),
+    "plain-sync": dict(method="plain"),
     "ngram": dict(method="ngram"),
     "streaming": dict(method="streaming", batch_policy="naive"),
     "pillar-naive": dict(method="pillar", batch_policy="naive"),

@@ -165,7 +165,8 @@ class SpecConfig:
                  None (default): 8, or min_budget // 2 when the budget is smaller (benchmarks/drafter: at B = 128,
                  8 beat 2 and 4 on looping and non-looping text, and 16 was no better)
     batch_policy naive (lock-step: all requests verify on the same step) or balanced (verifications staggered)
-    async_verify delayed verification: a request that verifies at step t sits out step t+1
+    async_verify delayed verification: a request that verifies at step t sits out step t+1. Plain decoding instead
+                 runs ahead: its step t+1 starts from the token step t sampled, still on the device (`runs_ahead`)
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
     block_size   tokens per KV block (64: the paged GPU kernel's tile is at most one block, and 16 made it slower
                  than gather + SDPA on the H200; pillar_attn.paged_attention)
@@ -221,6 +222,13 @@ class SpecConfig:
     def drafts_per_cycle(self) -> int:
         """Model draft steps between two verifications (0 for plain; ngram drafts on the CPU, not with the model)."""
         return 0 if self.method in ("plain", "ngram") else self.stride
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Overlapped plain decoding: with delayed verification a plain request does not sit out the step after its
+        own but decodes one position further, on the token that step sampled (fed on the device). Plain decoding
+        always commits exactly one token per step, so that position is known before the token is."""
+        return self.async_verify and self.method == "plain"
 
     @property
     def num_lookups(self) -> int:

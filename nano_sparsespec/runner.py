@@ -5,10 +5,11 @@ Owns
     `AttentionContext` (which requests attend densely, which draft tokens attend sparsely and to which slots). The
     host first writes every index list the step needs (`_*_lists`), sends them in one copy, then builds the
     tensors from those on the device;
-  * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling), the
-    critical positions each request's drafts attend to, each request's sampling parameters (sent once per request),
-    and a mirror of each request's block table (updated with only the entries that changed, so a step does not
-    rebuild [B, blocks] tables from Python lists);
+  * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling; for plain
+    decoding that runs ahead, column 0 holds the token of the step in flight), the critical positions each
+    request's drafts attend to, each request's sampling parameters (sent once per request), and a mirror of each
+    request's block table (updated with only the entries that changed, so a step does not rebuild [B, blocks] tables
+    from Python lists);
   * after the forward: sampling draft tokens, and verification (`verifier.verify`) for verifying requests and for a
     request's last prefill chunk (a verification with no drafts).
 Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
@@ -319,7 +320,8 @@ class ModelRunner:
                 inputs = seq.tokens[w.start:w.start + w.num_tokens]
             elif self.spec.method == "ngram":
                 inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
-            else:  # the pending token, then this cycle's model drafts (fed from the device buffer)
+            else:  # the pending token, then this cycle's model drafts (fed from the device buffer); a plain step
+                   # that runs ahead starts one past the pending token, on the token in flight (column 0)
                 inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
                 first_draft = seq.num_verified + 1
                 for j, p in enumerate(pos):
@@ -397,5 +399,7 @@ class ModelRunner:
                 draft_probs = self.draft_probs[dev["verify_row"], :m_max]
         out = verifier.verify(target, draft_tokens, draft_probs, dev["verify_num_drafts"], st,
                               dev["verify_first_position"])
+        if self.spec.runs_ahead:   # the request's next step, launched before the host sees this token, reads it here
+            self.draft_tokens[dev["verify_row"], 0] = out.next_token
         return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
                           draft_tokens, None)

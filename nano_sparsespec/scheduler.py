@@ -12,7 +12,9 @@ delayed verification is on and t % P == s + 1, and drafts otherwise. `naive` giv
 all draft together, all verify together); `balanced` gives a newly prefilled request the least-loaded slot, so each
 step holds about B / P verifications. A request's first cycle after prefill may therefore have fewer than k drafts.
 Plain decoding is the k = 0 case (P = 1: verify every step, with no drafts); n-gram drafting proposes its drafts on
-the CPU, so it also verifies every step.
+the CPU, so it also verifies every step. With delayed verification plain decoding has no stall: a request whose
+result is in flight runs ahead (`SpecConfig.runs_ahead`), one position further on the token still on the device,
+unless that token will be its last; so it can have two results in flight.
 
 Offload policy (when the next step's KV does not fit the device pool): the most recently admitted request (decoding
 or still prefilling) that has no result in flight moves wholly to the host pool, keeping its phase; offloaded requests come back first-out
@@ -55,7 +57,7 @@ class Sequence:
     selection: torch.Tensor | None = None             # [L, n_kv, n] critical positions (PillarAttn / streaming)
     row: int = -1                                     # row in the engine's per-request device buffers
     admitted_at: int = 0
-    awaiting_result: bool = False                     # a verification / last prefill chunk whose result is not in yet
+    results_in_flight: int = 0                        # verifications / last prefill chunk whose results are not in yet
     finish_reason: str | None = None
     error: str | None = None
     # statistics of speculation
@@ -78,6 +80,10 @@ class Sequence:
     def num_output(self) -> int:
         """len(output_ids) without copying them (the per-token stop checks ask for it)."""
         return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def awaiting_result(self) -> bool:
+        return self.results_in_flight > 0
 
     @property
     def num_verified(self) -> int:
@@ -105,7 +111,7 @@ class Scheduler:
         self.running: list[Sequence] = []      # prefilling and decoding, in admission order
         self.offloaded: list[Sequence] = []    # in offload order
         self.free_rows = list(range(spec.max_batch))
-        self.period = spec.drafts_per_cycle + 1 + (1 if spec.async_verify else 0)
+        self.period = spec.drafts_per_cycle + 1 + (1 if spec.async_verify and not spec.runs_ahead else 0)
         self._admissions = itertools.count()
         self.offload_events = 0
         self.restore_events = 0
@@ -142,12 +148,14 @@ class Scheduler:
         seq.verify_slot = min(range(self.period), key=lambda s: (load[s], s))
 
     def action(self, seq: Sequence, step: int) -> str:
-        """What a prefilled request does at global step `step`: 'verify', 'draft' or 'stall'.
+        """What a prefilled request does at global step `step`: 'verify', 'draft', 'stall' or 'ahead'.
 
-        With delayed verification the step after a verification finds its result still in flight: that is the stall.
+        With delayed verification the step after a verification finds its result still in flight: that is the stall,
+        or for plain decoding the step that runs ahead.
         """
         if seq.awaiting_result:
-            return "stall"
+            last = seq.num_output + 1 >= seq.params.max_new_tokens or len(seq.tokens) + 1 >= self.max_len
+            return "ahead" if self.spec.runs_ahead and not last else "stall"
         return "verify" if (step - seq.verify_slot) % self.period == 0 else "draft"
 
     def draft_limit(self, seq: Sequence) -> int:
@@ -182,7 +190,8 @@ class Scheduler:
                 w.seq.num_prefilled += w.num_tokens
             elif w.kind == "draft":
                 w.seq.num_drafts += 1
-            w.seq.awaiting_result = w.kind == "verify" or w.final_prefill
+            if w.kind == "verify" or w.final_prefill:
+                w.seq.results_in_flight += 1
         return works
 
     def _plan(self, step: int) -> list[Work]:
@@ -201,6 +210,8 @@ class Scheduler:
             if action == "verify":
                 n_drafts = len(seq.ngram_drafts) if self.spec.method == "ngram" else seq.num_drafts
                 works.append(Work(seq, "verify", seq.num_verified, n_drafts + 1))
+            elif action == "ahead":      # the position after the one whose token is in flight
+                works.append(Work(seq, "verify", seq.num_verified + 1, 1))
             elif action == "draft":
                 works.append(Work(seq, "draft", seq.num_verified + seq.num_drafts, 1))
         return works
@@ -212,11 +223,12 @@ class Scheduler:
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:
-        """The most recently admitted request that has work this step (never the last one). A request with work
-        has no result in flight (it would be stalled), so its KV is settled and can move."""
-        if len(self.running) <= 1 or len(works) <= 1:
+        """The most recently admitted request that has work this step and no result in flight, so its KV is
+        settled and can move (never the last one)."""
+        settled = [w.seq for w in works if not w.seq.awaiting_result]
+        if len(self.running) <= 1 or len(works) <= 1 or not settled:
             return None
-        return max((w.seq for w in works), key=lambda s: s.admitted_at)
+        return max(settled, key=lambda s: s.admitted_at)
 
     def _offload(self, seq: Sequence) -> None:
         self.cache.offload(seq.seq_id)

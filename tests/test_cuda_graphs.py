@@ -31,7 +31,7 @@ def test_bucket_sizes():
 @pytest.mark.parametrize("method,policy,async_verify,kv_blocks", [
     ("pillar", "naive", False, None), ("pillar", "balanced", True, 12),
     ("pillar-lookup", "balanced", False, None), ("streaming", "balanced", True, None), ("ngram", "naive", True, None),
-    ("full", "balanced", False, None)])
+    ("full", "balanced", False, None), ("plain", "balanced", True, 12)])
 def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, async_verify, kv_blocks):
     _, plain = generate(tiny_qwen3[0], prompts, device=device, cuda_graphs=True, method="plain", max_batch=5)
     llm, outs = generate(tiny_qwen3[0], prompts, device=device, cuda_graphs=True, method=method, stride=4,

@@ -112,6 +112,30 @@ def test_eos_stops_and_is_kept(tiny_qwen3, prompts, plain_greedy):
     assert out.finish_reason == "stop" and out.token_ids == plain_greedy[2][:first + 1]
 
 
+@pytest.mark.parametrize("kv_blocks", [None, 8])
+def test_plain_running_ahead_commits_what_sync_plain_commits(tiny_qwen3, prompts, kv_blocks):
+    """Overlapped plain decoding (async_verify: step t+1 is launched on the token step t sampled, still on the device)
+    writes exactly what synchronous plain decoding writes: greedy and sampled rows, requests stopping at EOS, at
+    their length or after one token, more requests than rows, and (kv_blocks=8) a pool that offloads. A request that
+    stopped at EOS had already launched one more step: that step's token is computed and dropped."""
+    params = [SamplingParams(max_new_tokens=(40, 1, 2, 25)[i % 4], temperature=(0.0, 0.8)[i % 2], seed=i)
+              for i in range(len(prompts))]
+    outputs, stats = [], []
+    for async_verify in (False, True):
+        llm = LLM(str(tiny_qwen3[0]), method="plain", async_verify=async_verify, max_batch=5, block_size=16,
+                  kv_blocks=kv_blocks)
+        llm.eos_token_ids = {34}          # a token this model writes often, so some requests stop at it
+        outputs.append([(o.token_ids, o.finish_reason) for o in llm.generate(None, params, prompt_token_ids=prompts)])
+        stats.append(llm.last_stats)
+    assert outputs[1] == outputs[0]
+    reasons = [r for _, r in outputs[0]]
+    assert "stop" in reasons and "length" in reasons
+    ran_past_eos = sum(r == "stop" and 1 < len(t) < p.max_new_tokens for (t, r), p in zip(outputs[0], params))
+    assert sum(stats[1].tokens_per_step) - sum(stats[0].tokens_per_step) == ran_past_eos > 0
+    if kv_blocks is not None:
+        assert stats[1].offloads > 0
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")])

@@ -188,7 +188,7 @@ def check_4(m) -> None:
         for slot in range(sched.period):
             for awaiting in (False, True):
                 seq = running_sequence(0, slot)
-                seq.awaiting_result = awaiting
+                seq.results_in_flight = int(awaiting)
                 for step in range(3 * sched.period):
                     got, ref = m.action(step, slot, sched.period, awaiting), sched.action(seq, step)
                     assert got == ref, f"action(step={step}, slot={slot}, period={sched.period}, " \
@@ -230,7 +230,7 @@ def full_pool_scenario(g):
             seq = Sequence(i, [1] * 3, SamplingParams(max_new_tokens=100), seed=0)
             seq.tokens += [1] * (block * held - 3 - drafts + 1)              # num_verified = len(tokens) - 1
             seq.status, seq.num_prefilled, seq.num_drafts = Status.RUNNING, 3, drafts
-            seq.awaiting_result = awaiting[i]
+            seq.results_in_flight = int(awaiting[i])
         seq.admitted_at, seq.row = admitted[i], i
         cache.append(i, block * held)
         sched.running.append(seq)

@@ -24,6 +24,7 @@ from nano_sparsespec.runner import ModelRunner, StepResult
 from nano_sparsespec.scheduler import Scheduler
 
 MODES = {"plain": dict(method="plain"),
+         "plain-ahead": dict(method="plain", async_verify=True),      # overlapped plain decoding (session 8)
          "pillar-naive": dict(method="pillar", batch_policy="naive"),
          "pillar-async": dict(method="pillar", batch_policy="balanced", async_verify=True)}
 # (class, method, label); nested ones are parts of the one above them
