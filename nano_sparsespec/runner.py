@@ -387,9 +387,9 @@ class ModelRunner:
         m_max = max(num_drafts)
         logit_rows = dev["verify_logit_rows"]                                           # [Bv, M+1]
         logits = self.model.logits(hidden[logit_rows.flatten()])                        # [Bv*(M+1), V]
-        target = verifier.probs_from_logits(logits, self.sampling.select(dev["verify_row_per_logit"], params))
-        target = target.view(len(checks), m_max + 1, -1)                                # [Bv, M+1, V]
-        st = self.sampling.select(dev["verify_row"], params)
+        st = self.sampling.select(dev["verify_row"], params)                            # one row per check
+        per_logit = st if m_max == 0 else self.sampling.select(dev["verify_row_per_logit"], params)
+        target = verifier.probs_from_logits(logits, per_logit).view(len(checks), m_max + 1, -1)   # [Bv, M+1, V]
         draft_probs = None
         if self.spec.method == "ngram":
             draft_tokens = dev["ngram_drafts"]                                          # [Bv, M]

@@ -300,8 +300,15 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
     num_drafts     Long[B]           0..K (0: a plain decode step, sampling the target at row 0)
     st             one row per request; first_position Long[B]
     """
-    n, token = verify_greedy(target_probs, draft_tokens, num_drafts)
-    if not st.all_greedy:
-        n_r, token_r = verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, st.seed, first_position)
-        n, token = torch.where(st.greedy, n, n_r), torch.where(st.greedy, token, token_r)
+    if draft_tokens.shape[1] == 0:   # no drafts in the batch (plain decoding, first tokens): sampling the target row
+        token = sample(target_probs[:, 0], st, first_position, SALT_TARGET)   # (what rejection sampling reduces to)
+        return VerifyResult(num_accepted=torch.zeros_like(token), next_token=token,
+                            is_bonus=torch.ones_like(token, dtype=torch.bool))
+    if st.all_greedy:
+        n, token = verify_greedy(target_probs, draft_tokens, num_drafts)
+    else:
+        n, token = verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, st.seed, first_position)
+        if st.any_greedy:
+            n_g, token_g = verify_greedy(target_probs, draft_tokens, num_drafts)
+            n, token = torch.where(st.greedy, n_g, n), torch.where(st.greedy, token_g, token)
     return VerifyResult(num_accepted=n, next_token=token, is_bonus=n == num_drafts)

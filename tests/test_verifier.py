@@ -16,7 +16,7 @@ import torch
 from nano_sparsespec import verifier as vf
 from nano_sparsespec.config import SamplingParams
 from nano_sparsespec.verifier import (SALT_ACCEPT, SALT_DRAFT, SALT_RESIDUAL, SALT_TARGET, SamplingTensors,
-                                      probs_from_logits, sample, uniform, verify, verify_greedy)
+                                      probs_from_logits, sample, uniform, verify, verify_greedy, verify_rejection)
 
 Z_ALPHA = 3.090232306167813  # standard normal quantile at 1 - alpha, alpha = 1e-3
 
@@ -293,6 +293,21 @@ def test_verify_greedy_hand_built():
     zeros = torch.zeros(5, dtype=torch.long)
     res = verify(target[:, :1], drafts[:, :0], None, zeros, st, zeros)
     assert res.next_token.tolist() == [1, 1, 1, 1, 5] and res.is_bonus.all() and (res.num_accepted == 0).all()
+
+
+def test_verify_without_drafts_is_what_rejection_sampling_gives():
+    """With no drafts in the batch, `verify` samples row 0 directly: the same tokens as the general path."""
+    g = torch.Generator().manual_seed(7)
+    B, V = 64, 50
+    p = torch.softmax(torch.randn(B, 1, V, generator=g) * 2, -1)
+    params = [SamplingParams(temperature=0.0 if b % 3 == 0 else 0.8) for b in range(B)]
+    st, none = st_of(params, range(B)), torch.zeros(B, dtype=torch.long)
+    positions = torch.arange(B) * 7
+    res = verify(p, torch.zeros(B, 0, dtype=torch.long), None, none, st, positions)
+    n_r, token_r = verify_rejection(p, torch.zeros(B, 0, dtype=torch.long), None, none, st.seed, positions)
+    expected = torch.where(st.greedy, p[:, 0].argmax(-1), token_r)
+    assert torch.equal(res.next_token, expected) and (res.num_accepted == 0).all() and res.is_bonus.all()
+    assert len(set(res.next_token[1::3].tolist())) > 3      # sampled rows really sample
 
 
 def test_verify_greedy_rows_in_a_mixed_batch_use_argmax():

@@ -6,7 +6,7 @@ and verification, the host bookkeeping, and how long the host waits for the GPU 
 MODE: plain | pillar-naive | pillar-async (balanced, delayed verification). Each mode generates once for `--batch`
 requests (the packaged reasoning prompts; compile + CUDA graphs, temperature 0.6, EOS ignored); the time spent
 recording CUDA graphs is left out of the wall time, the launch and the forward. Timers are host perf_counter totals
-around the named methods (no added synchronisation): a host that mostly waits in `fetch` is GPU-bound; one that
+around the named methods (session 8 added the parts of `launch`; no added synchronisation): a host that mostly waits in `fetch` is GPU-bound; one that
 rarely waits is bound by its own work.
 Caveat (raw/engine_split_call4.txt): with no warm-up generation, the first mode run in a process also pays the
 compilation of the prefill steps' kernels inside `launch` (plain: 21.7 ms per step of launch outside the forward,
@@ -14,12 +14,14 @@ sampling and verification); engine_profile.py warms up first and profiles steady
 """
 import argparse
 import collections
+import inspect
 import time
 
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.async_loop import Engine
 from nano_sparsespec.bench import DEFAULT_PROMPTS, load_workload
-from nano_sparsespec.cuda_graphs import StepGraphs
+from nano_sparsespec import runner
+from nano_sparsespec.cuda_graphs import StaticStep, StepGraphs
 from nano_sparsespec.runner import ModelRunner, StepResult
 from nano_sparsespec.scheduler import Scheduler
 
@@ -30,7 +32,20 @@ MODES = {"plain": dict(method="plain"),
 # (class, method, label); nested ones are parts of the one above them
 TIMED = [(Scheduler, "schedule", "schedule"),
          (ModelRunner, "launch", "launch"),
+         # session 8: the parts of building a step (host lists, the one copy, device tensors)
+         (ModelRunner, "_token_lists", "  token lists"),
+         (ModelRunner, "_dense_lists", "  dense lists"),
+         (ModelRunner, "_sparse_lists", "  sparse lists"),
+         (ModelRunner, "_check_lists", "  check lists"),
+         (ModelRunner, "_table_changes", "  block-table changes"),
+         (ModelRunner, "_send_sampling_params", "  sampling parameters"),
+         (runner, "to_device_packed", "  the one copy"),
+         (ModelRunner, "_dense_batch", "  dense batch tensors"),
+         (ModelRunner, "_sparse_batch", "  sparse batch tensors"),
          (StepGraphs, "forward", "  forward (copy inputs, replay)"),
+         (StaticStep, "load", "    copy inputs into the static step"),
+         (StaticStep, "run", "    replay"),
+         (StepResult, "start_copy", "  queue the result copy"),
          (ModelRunner, "_sample_drafts", "  sample drafts"),
          (ModelRunner, "_verify", "  verify"),
          (Engine, "_process", "process"),
@@ -48,7 +63,8 @@ def add_timer(cls, name, label):
             return original(*args, **kwargs)
         finally:
             totals[label] += time.perf_counter() - start
-    setattr(cls, name, timed)
+    is_static = isinstance(inspect.getattr_static(cls, name), staticmethod)
+    setattr(cls, name, staticmethod(timed) if is_static else timed)
 
 
 def main():
@@ -69,7 +85,7 @@ def main():
         llm.generate(texts, params, prompt_token_ids=ids)
         stats = llm.last_stats
         recording = stats.graph_record_seconds                  # one-time, inside the forward: left out
-        for label in (TIMED[1][2], TIMED[2][2]):
+        for label in ("launch", "  forward (copy inputs, replay)", "    replay"):
             totals[label] -= recording
         per_step = 1e3 / stats.steps
         print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
