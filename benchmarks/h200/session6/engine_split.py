@@ -3,14 +3,17 @@ and verification, the host bookkeeping, and how long the host waits for the GPU 
 
     PYTHONPATH=. python benchmarks/h200/session6/engine_split.py --gguf G [--batch 128] [--tokens 512] [MODE ...]
 
-MODE: plain | pillar-naive | pillar-async (balanced, delayed verification). Each mode generates once for `--batch`
-requests (the packaged reasoning prompts; compile + CUDA graphs, temperature 0.6, EOS ignored); the time spent
-recording CUDA graphs is left out of the wall time, the launch and the forward. Timers are host perf_counter totals
-around the named methods (session 8 added the parts of `launch`; no added synchronisation): a host that mostly waits in `fetch` is GPU-bound; one that
-rarely waits is bound by its own work.
+MODE: plain | plain-ahead (overlapped) | pillar-naive | pillar-async (balanced, delayed verification). Each mode
+generates once for `--batch` requests (the packaged reasoning prompts; compile + CUDA graphs, temperature 0.6, EOS
+ignored); the time spent recording CUDA graphs is left out of the wall time, the launch and the forward. Timers are
+host perf_counter totals around the named methods (no added synchronisation): a host that mostly waits in `fetch` is
+GPU-bound; one that rarely waits is bound by its own work.
 Caveat (raw/engine_split_call4.txt): with no warm-up generation, the first mode run in a process also pays the
 compilation of the prefill steps' kernels inside `launch` (plain: 21.7 ms per step of launch outside the forward,
 sampling and verification); engine_profile.py warms up first and profiles steady-state steps only.
+Session 8: the parts of `launch` are timed too, and so are apart the launches of steps that hold a prefill chunk
+(eager); `--warm-up N` first generates N tokens with the same settings (compiling what the first steps of each kind
+compile), and the timers count the second generation only.
 """
 import argparse
 import collections
@@ -67,6 +70,24 @@ def add_timer(cls, name, label):
     setattr(cls, name, staticmethod(timed) if is_static else timed)
 
 
+def time_prefill_launches():
+    """Also count apart the launch time of steps that hold a prefill chunk (these run eagerly, not replayed)."""
+    launch = ModelRunner.launch
+
+    def launch_timed(self, works):
+        if not any(w.kind == "prefill" for w in works):
+            return launch(self, works)
+        start = time.perf_counter()
+        try:
+            return launch(self, works)
+        finally:
+            totals[PREFILL_LABEL] += time.perf_counter() - start
+    ModelRunner.launch = launch_timed
+
+
+PREFILL_LABEL = "  of which steps with a prefill chunk"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("modes", nargs="*", default=list(MODES))
@@ -74,13 +95,18 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--warm-up", type=int, default=0, help="first generate this many tokens, untimed")
     args = p.parse_args()
     for cls, name, label in TIMED:
         add_timer(cls, name, label)
+    time_prefill_launches()
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=0.6)
     for mode in args.modes:
         llm = LLM(gguf=args.gguf, device=args.device, compile=True, cuda_graphs=True, max_batch=args.batch, **MODES[mode])
         texts, ids = load_workload(llm, DEFAULT_PROMPTS, "prompt", args.batch, chat_template=True)
+        if args.warm_up:
+            llm.generate(texts, SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6),
+                         prompt_token_ids=ids)
         totals.clear()
         llm.generate(texts, params, prompt_token_ids=ids)
         stats = llm.last_stats
@@ -91,8 +117,8 @@ def main():
         print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
               f"{(stats.seconds - recording) * per_step:.2f} ms per step ({stats.graphs_recorded} graphs recorded "
               f"in {recording:.1f} s, left out), mean accepted {stats.summary(8).get('mean_accepted')}")
-        for _, _, label in TIMED:
-            print(f"  {label:34s} {totals[label] * per_step:7.3f} ms/step")
+        for label in [label for _, _, label in TIMED[:2]] + [PREFILL_LABEL] + [label for _, _, label in TIMED[2:]]:
+            print(f"  {label:38s} {totals[label] * per_step:7.3f} ms/step")
 
 
 if __name__ == "__main__":
