@@ -8,6 +8,9 @@ rejected drafts, pick the next critical positions. In a synchronous loop the dev
 Delayed verification launches step t before processing step t-1, so on a GPU the host's work for step t-1 runs
 while the device computes step t. The price: a request that verified at t-1 cannot run at step t (the host does
 not yet know how many of its drafts survived, so it has no next input token). It *stalls* for one step.
+Plain decoding has no such stall: each of its steps commits exactly one token, so the next position is known before
+the token is, and the next step reads the token where it already lies, on the device (`SpecConfig.runs_ahead`; the
+baseline every benchmark compares against runs this way).
 
 The script decodes 4 short prompts, 32 new tokens each: first plainly (the reference), then with method='pillar',
 k = 4, balanced, sync and async (`SpecConfig.async_verify`). It records every step with `watch_steps` and every
