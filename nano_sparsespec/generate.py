@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-budget", type=int, default=128)
     p.add_argument("--batch-policy", default="balanced", choices=BATCH_POLICIES)
     p.add_argument("--async", dest="async_verify", action=argparse.BooleanOptionalAction, default=False,
-                   help="delayed verification (with --method plain: each step launched before the host reads the last token)")
+                   help="delayed verification (with --method plain: each step is launched before the host reads "
+                        "the previous token)")
     p.add_argument("--kv-blocks", type=int, default=None, help="device KV pool size in blocks (small: offload)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--compile", action="store_true", help="torch.compile the attention kernels and fuse elementwise ops")

@@ -17,8 +17,9 @@ result is in flight runs ahead (`SpecConfig.runs_ahead`), one position further o
 unless that token will be its last; so it can have two results in flight.
 
 Offload policy (when the next step's KV does not fit the device pool): the most recently admitted request (decoding
-or still prefilling) that has no result in flight moves wholly to the host pool, keeping its phase; offloaded requests come back first-out
-first-in as soon as their blocks plus one step of headroom fit, and no waiting request is admitted while one is out.
+or still prefilling) that has no result in flight moves wholly to the host pool, keeping its phase; offloaded
+requests come back first-out first-in as soon as their blocks plus one step of headroom fit, and no waiting request
+is admitted while one is out.
 
 Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step with its decisions.
 """

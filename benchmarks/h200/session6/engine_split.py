@@ -102,7 +102,8 @@ def main():
     time_prefill_launches()
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=0.6)
     for mode in args.modes:
-        llm = LLM(gguf=args.gguf, device=args.device, compile=True, cuda_graphs=True, max_batch=args.batch, **MODES[mode])
+        llm = LLM(gguf=args.gguf, device=args.device, compile=True, cuda_graphs=True, max_batch=args.batch,
+                  **MODES[mode])
         texts, ids = load_workload(llm, DEFAULT_PROMPTS, "prompt", args.batch, chat_template=True)
         if args.warm_up:
             llm.generate(texts, SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6),
