@@ -329,13 +329,19 @@ def default_kv_blocks(prompt_lens: list[int], max_new_tokens: int, stride: int, 
 # ----------------------------------------------------------------------------------------------------------------------
 # The rows
 
+def warm_up_tokens(stride: int) -> int:
+    """Tokens of a row's warm-up run: two cycles of k drafts, a verification and a stall."""
+    return 2 * (stride + 2)
+
+
 def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: list[SamplingParams],
              bm: ByteModel) -> dict:
     llm.spec = spec
     # Warm-up: the same requests with this row's settings, a few cycles long. torch.compile specialises kernels on
     # the first step of each kind (prefill chunks beside drafts and verifications, each batch-size class), seconds a
     # server spends once at start; billed to the timed run, they showed as milliseconds per step of a 2k-token run.
-    llm.generate(None, [replace(p, max_new_tokens=min(p.max_new_tokens, 2 * (spec.stride + 2))) for p in params],
+    warm_up = warm_up_tokens(spec.stride)
+    llm.generate(None, [replace(p, max_new_tokens=min(p.max_new_tokens, warm_up)) for p in params],
                  prompt_token_ids=token_ids)
     with PeakMemory(llm.device) as mem, kv_position_counter():
         synchronize(llm.device)
@@ -775,7 +781,8 @@ def rows_markdown(result: dict) -> str:
              f"{s['max_new_tokens']} new tokens{' (ignore EOS)' if s['ignore_eos'] else ''}, temperature "
              f"{s['temperature']:g}, k = {s['stride']}; peak bandwidth {result['peak_bandwidth_gbs']:.1f} GB/s "
              f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal plain decoding's (and the "
-             f"mean number of leading tokens they share).", "",
+             f"mean number of leading tokens they share). Each row of ours is timed after a warm-up run of its own "
+             f"requests and settings (up to {warm_up_tokens(s['stride'])} tokens).", "",
              "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
              " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | batch used | offloads / restores |"
              " = plain |" + (" graphs (record s) |" if graphs else ""),
