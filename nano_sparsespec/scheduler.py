@@ -155,8 +155,8 @@ class Scheduler:
         or for plain decoding the step that runs ahead.
         """
         if seq.awaiting_result:
-            last = seq.num_output + 1 >= seq.params.max_new_tokens or len(seq.tokens) + 1 >= self.max_len
-            return "ahead" if self.spec.runs_ahead and not last else "stall"
+            # running ahead is worth it only if the token in flight is not the request's last (like a draft would be)
+            return "ahead" if self.spec.runs_ahead and self.draft_limit(seq) > 0 else "stall"
         return "verify" if (step - seq.verify_slot) % self.period == 0 else "draft"
 
     def draft_limit(self, seq: Sequence) -> int:

@@ -57,10 +57,13 @@ TIMED = [(Scheduler, "schedule", "schedule"),
 totals = collections.Counter()
 
 
-def add_timer(cls, name, label):
+def add_timer(cls, name, label, when=None):
+    """Add the wall time of calls to cls.name to totals[label] (only calls whose arguments satisfy `when`)."""
     original = getattr(cls, name)
 
     def timed(*args, **kwargs):
+        if when is not None and not when(*args, **kwargs):
+            return original(*args, **kwargs)
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
@@ -72,17 +75,7 @@ def add_timer(cls, name, label):
 
 def time_prefill_launches():
     """Also count apart the launch time of steps that hold a prefill chunk (these run eagerly, not replayed)."""
-    launch = ModelRunner.launch
-
-    def launch_timed(self, works):
-        if not any(w.kind == "prefill" for w in works):
-            return launch(self, works)
-        start = time.perf_counter()
-        try:
-            return launch(self, works)
-        finally:
-            totals[PREFILL_LABEL] += time.perf_counter() - start
-    ModelRunner.launch = launch_timed
+    add_timer(ModelRunner, "launch", PREFILL_LABEL, when=lambda self, works: any(w.kind == "prefill" for w in works))
 
 
 PREFILL_LABEL = "  of which steps with a prefill chunk"
