@@ -215,22 +215,22 @@ class Engine:
         if not refresh:
             return
         cfg, spec = self.model.config, self.spec
+        seqs = [seq for _, seq in refresh]
         if spec.method in ("pillar", "pillar-lookup"):
             index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
-            context = [s.num_verified for _, s in refresh]
+            context = [s.num_verified for s in seqs]
             chosen = pillar_attn.select_pillar(result.scores[:, index], context, [spec.budget(c) for c in context])
-            for (_, seq), positions in zip(refresh, chosen):
-                self.runner.set_selection(seq, positions)           # in rank order: lookups displace the last ones
-                if spec.method == "pillar-lookup":
+            self.runner.set_selections(seqs, chosen)                 # in rank order: lookups displace the last ones
+            if spec.method == "pillar-lookup":
+                for seq in seqs:
                     self.runner.set_context_tokens(seq)
         elif spec.method == "streaming":
-            for _, seq in refresh:
-                positions = pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
-                                                         spec.sink_tokens, cfg.num_layers, cfg.num_kv_heads,
-                                                         device=self.cache.device)
-                self.runner.set_selection(seq, positions)
+            self.runner.set_selections(seqs, [
+                pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified), spec.sink_tokens,
+                                             cfg.num_layers, cfg.num_kv_heads, device=self.cache.device)
+                for seq in seqs])
         elif spec.method == "ngram":
-            for _, seq in refresh:
+            for seq in seqs:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
@@ -251,7 +251,7 @@ class LLM:
     Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
     Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
     attention kernels (on a GPU with `cuda_graphs`, dense decoding and verification attention read the paged pool in
-    place) and fuses each layer's elementwise pieces and the sampling hash; `cuda_graphs=True` pads decode
+    place) and fuses each layer's elementwise pieces, sampling and verification; `cuda_graphs=True` pads decode
     steps to bucket shapes and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
     """
 
@@ -280,7 +280,7 @@ class LLM:
             # the paged kernel compiles once per step shape: bucketed shapes (CUDA graphs) keep those few
             pillar_attn.compile_kernels(paged=self.device.type == "cuda" and cuda_graphs)
             compile_elementwise()
-            verifier.compile_uniform()
+            verifier.compile_sampling()
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:

@@ -605,9 +605,9 @@ class StepProfiler:
         self.budget = min(self.spec.budget(context), context)
         self.plain_runner = ModelRunner(model, self.cache, self.plain_spec, cuda_graphs)
         self.runner = ModelRunner(model, self.cache, self.spec, cuda_graphs)
-        for seq in self.seqs:   # critical positions: `budget` distinct random positions per (layer, KV head)
-            chosen = torch.rand(cfg.num_layers, cfg.num_kv_heads, context, generator=g, device=device)
-            self.runner.set_selection(seq, chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values)
+        chosen = torch.rand(batch, cfg.num_layers, cfg.num_kv_heads, context, generator=g, device=device)
+        # critical positions: `budget` distinct random positions per (request, layer, KV head)
+        self.runner.set_selections(self.seqs, list(chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values))
         self.bm = byte_model(model, dtype)
 
     def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int, select: bool = False) -> float:

@@ -10,8 +10,8 @@ Owns
     request's drafts attend to, each request's sampling parameters (sent once per request), and a mirror of each
     request's block table (updated with only the entries that changed, so a step does not rebuild [B, blocks] tables
     from Python lists);
-  * after the forward: sampling draft tokens, and verification (`verifier.verify`) for verifying requests and for a
-    request's last prefill chunk (a verification with no drafts).
+  * after the forward: sampling draft tokens (`verifier.sample_drafts`), and verification (`verifier.verify_logits`)
+    for verifying requests and for a request's last prefill chunk (a verification with no drafts).
 Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
 engine can launch step t before it looks at step t-1 (delayed verification).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import pillar_attn, verifier
 from .config import SamplingParams, SpecConfig
@@ -94,16 +95,22 @@ class ModelRunner:
         self.params_sent = [-1] * rows                                                    # seq_id holding a row
 
     # --- critical positions ------------------------------------------------------------------------------------------
-    def set_selection(self, seq: Sequence, positions: torch.Tensor) -> None:
-        """Store the positions [L, n_kv, n] that `seq`'s next drafts attend to (besides the recent window)."""
-        n = positions.shape[-1]
+    def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
+        """Store, for each request, the positions [L, n_kv, n] its next drafts attend to (besides the recent window).
+
+        One write for all of them: the shorter selections are padded to the longest, and the padding columns lie
+        beyond their row's `selection_len`, where drafts do not read."""
+        widths = [p.shape[-1] for p in positions]
+        n = max(widths)
         if n > self.selection.shape[-1]:
             grown = torch.zeros(*self.selection.shape[:-1], max(n, 2 * self.selection.shape[-1]),
                                 dtype=torch.long, device=self.device)
             grown[..., :self.selection.shape[-1]] = self.selection
             self.selection = grown
-        self.selection[seq.row, :, :, :n] = positions
-        self.selection_len[seq.row] = n
+        padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) if p.shape[-1] < n else p for p in positions])
+        self.selection[self._dev([s.row for s in seqs]), :, :, :n] = padded        # [B, L, n_kv, n]
+        for seq, width in zip(seqs, widths):
+            self.selection_len[seq.row] = width
 
     def set_context_tokens(self, seq: Sequence) -> None:
         """Mirror `seq`'s committed tokens into its row of `context_tokens`, sending only the ones not sent yet."""
@@ -348,8 +355,7 @@ class ModelRunner:
     def _sample_drafts(self, hidden: torch.Tensor, seqs: list[Sequence], dev: dict[str, torch.Tensor]) -> None:
         logits = self.model.logits(hidden[dev["draft_logit_row"]])                     # [Bs, V]
         st = self.sampling.select(dev["draft_row"], [s.params for s in seqs])
-        probs = verifier.probs_from_logits(logits, st)
-        tokens = verifier.sample(probs, st, dev["draft_decided"], verifier.SALT_DRAFT)
+        probs, tokens = verifier.sample_drafts(logits, st, dev["draft_decided"])
         rows, index = dev["draft_row"], dev["draft_index"]
         self.draft_tokens[rows, index] = tokens
         if not st.all_greedy:
@@ -365,7 +371,6 @@ class ModelRunner:
         logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
                       else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
         lists = {"verify_logit_rows": logit_rows, "verify_row": [w.seq.row for w, _ in checks],
-                 "verify_row_per_logit": [w.seq.row for w, _ in checks for _ in range(m_max + 1)],
                  "verify_num_drafts": num_drafts,
                  "verify_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
                                            for w, _ in checks]}
@@ -386,10 +391,8 @@ class ModelRunner:
         params = [s.params for s in seqs]
         m_max = max(num_drafts)
         logit_rows = dev["verify_logit_rows"]                                           # [Bv, M+1]
-        logits = self.model.logits(hidden[logit_rows.flatten()])                        # [Bv*(M+1), V]
+        logits = self.model.logits(hidden[logit_rows.flatten()]).view(len(checks), m_max + 1, -1)  # [Bv, M+1, V]
         st = self.sampling.select(dev["verify_row"], params)                            # one row per check
-        per_logit = st if m_max == 0 else self.sampling.select(dev["verify_row_per_logit"], params)
-        target = verifier.probs_from_logits(logits, per_logit).view(len(checks), m_max + 1, -1)   # [Bv, M+1, V]
         draft_probs = None
         if self.spec.method == "ngram":
             draft_tokens = dev["ngram_drafts"]                                          # [Bv, M]
@@ -397,8 +400,8 @@ class ModelRunner:
             draft_tokens = self.draft_tokens[dev["verify_row"], :m_max]                  # [Bv, M] (a copy)
             if self.draft_probs is not None and not st.all_greedy:
                 draft_probs = self.draft_probs[dev["verify_row"], :m_max]
-        out = verifier.verify(target, draft_tokens, draft_probs, dev["verify_num_drafts"], st,
-                              dev["verify_first_position"])
+        out = verifier.verify_logits(logits, draft_tokens, draft_probs, dev["verify_num_drafts"], st,
+                                     dev["verify_first_position"])
         if self.spec.runs_ahead:   # the request's next step, launched before the host sees this token, reads it here
             self.draft_tokens[dev["verify_row"], 0] = out.next_token
         return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,

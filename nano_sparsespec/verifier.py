@@ -11,6 +11,8 @@ Owns
     greedy prefix match (`verify_greedy`) or lossless rejection sampling (`verify_rejection`). Vocabulary of vLLM's
     rejection sampler: drafts are *accepted*; at the first rejection a *recovered* token is sampled from the
     residual max(0, p - q); if every draft is accepted a *bonus* token is sampled from the target's next row.
+  * `sample_drafts`, `verify_logits` — what the engine calls: logits in, tokens out (`sample` with the draft salt and
+    `verify`, behind `probs_from_logits`). `compile_sampling()` swaps in torch.compile'd versions (the fast path).
 
 Must not touch the KV cache or the model. Everything is batched and device-agnostic (CPU or CUDA) with no host syncs
 (.item(), .tolist(), data-dependent Python branches) inside the functions: only shapes and host-side flags decide
@@ -81,20 +83,8 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
 
     seeds, positions: Long[N] (or any broadcastable shapes) -> Float[N] (float32; never exactly 0 or 1).
     """
-    return _hash["uniform"](_salt_state(salt), seeds, positions)
+    return _uniform_from_state(_salt_state(salt), seeds, positions)
 
-
-# Eager, the hash is ~35 elementwise kernels per call, a few calls per step: on the GPU their launches cost more host
-# time than their work. `compile_uniform()` fuses them into one kernel (integer ops: bit-identical results).
-_hash = {"uniform": _uniform_from_state}
-
-
-def compile_uniform() -> None:
-    _hash["uniform"] = torch.compile(_uniform_from_state, dynamic=True)
-
-
-def use_eager_uniform() -> None:
-    _hash["uniform"] = _uniform_from_state
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -137,6 +127,12 @@ class SamplingTensors:
         return dict(use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params_list if not p.greedy),
                     all_greedy=all(greedy), any_greedy=any(greedy))
 
+    def per_position(self) -> "SamplingTensors":
+        """The same rows viewed [N, 1], to broadcast over each request's K + 1 logit rows [N, K + 1, V]."""
+        return SamplingTensors(self.temperature[:, None], self.top_k[:, None], self.top_p[:, None],
+                               self.seed[:, None], self.greedy[:, None], self.use_filter, self.all_greedy,
+                               self.any_greedy)
+
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. k+1 verify rows per request)."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
@@ -156,47 +152,61 @@ class SamplingTensors:
 # logits -> probabilities -> tokens
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set filtered-out logits to -inf. logits Float[N, V], top_k Long[N], top_p Float[N] -> Float[N, V].
+    """Set filtered-out logits to -inf. logits Float[..., V], top_k Long[...], top_p Float[...] -> Float[..., V].
 
     top-k keeps exactly k tokens (ties broken towards the lower index, like argmax); top-p then keeps the smallest
     prefix of the sorted distribution whose mass is >= top_p (the top token always survives).
     """
     V = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [..., V]
     rank = torch.arange(V, device=logits.device)                              # [V]
-    k = torch.where(top_k > 0, top_k, V)                                      # [N]
-    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(-1)                                         # [N, V]
-    mass_before = probs.cumsum(-1) - probs                                    # [N, V] exclusive prefix mass
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)           # top_p == 1: keep all despite rounding
+    k = torch.where(top_k > 0, top_k, V)                                      # [...]
+    sorted_logits = sorted_logits.masked_fill(rank >= k[..., None], float("-inf"))
+    probs = sorted_logits.softmax(-1)                                         # [..., V]
+    mass_before = _cdf(probs) - probs                                         # [..., V] exclusive prefix mass
+    drop = (mass_before >= top_p[..., None]) & (top_p[..., None] < 1.0)       # top_p == 1: keep all despite rounding
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits Float[N, V] (any float dtype) -> probs Float[N, V] (float32); greedy rows one-hot at torch.argmax."""
-    logits = logits.float()                                                   # [N, V]
+    """logits Float[..., V] (any float dtype), st fields of shape [...] (or broadcastable: `per_position`)
+    -> probs Float[..., V] (float32); greedy rows one-hot at torch.argmax."""
+    logits = logits.float()                                                   # [..., V]
     if st.all_greedy:                                                         # cheap path: no softmax
         return _one_hot_argmax(logits)
-    greedy_probs = _one_hot_argmax(logits) if st.any_greedy else None         # [N, V] for the greedy rows
-    temperature = torch.where(st.greedy, 1.0, st.temperature)                 # [N], avoid 0-division on greedy rows
-    logits = logits / temperature[:, None]                                    # [N, V]
+    greedy_probs = _one_hot_argmax(logits) if st.any_greedy else None         # [..., V] for the greedy rows
+    temperature = torch.where(st.greedy, 1.0, st.temperature)                 # [...], avoid 0-division on greedy rows
+    logits = logits / temperature[..., None]                                  # [..., V]
     if st.use_filter:
         logits = _top_k_top_p(logits, st.top_k, st.top_p)
-    probs = logits.softmax(-1)                                                # [N, V]
+    probs = logits.softmax(-1)                                                # [..., V]
     if greedy_probs is None:                                                  # every row samples: no one-hot pass
         return probs
-    return torch.where(st.greedy[:, None], greedy_probs, probs)
+    return torch.where(st.greedy[..., None], greedy_probs, probs)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Float[N, V] -> Float[N, V]: 1 at each row's torch.argmax, 0 elsewhere (greedy rows)."""
-    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    """Float[..., V] -> Float[..., V]: 1 at each row's torch.argmax, 0 elsewhere (greedy rows)."""
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+@torch.library.custom_op("nano_sparsespec::cdf", mutates_args=())
+def _cdf(probs: torch.Tensor) -> torch.Tensor:
+    """probs.cumsum(-1), wrapped as an opaque operator so that `compile_sampling`'s graphs call it as one kernel and
+    fuse nothing into it: torch 2.11's Triton backend failed to fuse this scan with the softmax before it or the
+    reductions after it (benchmarks/h200/session9/probe_compile2.py)."""
+    return probs.cumsum(-1)
+
+
+@_cdf.register_fake
+def _(probs: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(probs)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Sample one token per row: probs Float[N, V] (non-negative, need not sum to 1), u Float[N] in (0,1) -> Long[N]."""
-    cdf = probs.cumsum(-1)                                                    # [N, V]
+    cdf = _cdf(probs)                                                         # [N, V]
     target = (u * cdf[:, -1])[:, None]                                        # [N, 1], < total since u < 1
     token = torch.searchsorted(cdf, target, right=True).squeeze(-1)          # first i with cdf[i] > target
     token = token.clamp_max(probs.shape[-1] - 1)                              # guard: rounding at the top end
@@ -285,7 +295,7 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
         dist = p_n
     pos = first_position + n                                                  # [B] position of the next token
     state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))   # [B] per-row salt
-    u_next = _hash["uniform"](state, seed, pos)                                # [B]
+    u_next = _uniform_from_state(state, seed, pos)                             # [B]
     return n, _inverse_cdf(dist, u_next)
 
 
@@ -312,3 +322,46 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
             n_g, token_g = verify_greedy(target_probs, draft_tokens, num_drafts)
             n, token = torch.where(st.greedy, n_g, n), torch.where(st.greedy, token_g, token)
     return VerifyResult(num_accepted=n, next_token=token, is_bonus=n == num_drafts)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logits in, tokens out: what the engine calls
+
+def _sample_drafts(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor):
+    probs = probs_from_logits(logits, st)
+    return probs, sample(probs, st, positions, SALT_DRAFT)   # (a constant: a salt argument would be compiled as a
+                                                             # symbolic int, and torch 2.13 then mistyped the hash)
+
+
+def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_position):
+    out = verify(probs_from_logits(logits, st.per_position()), draft_tokens, draft_probs, num_drafts, st,
+                 first_position)
+    return out.num_accepted, out.next_token, out.is_bonus
+
+
+# Eager, sampling or verifying one step is dozens of small kernels (the hash alone is ~35 elementwise ones), each
+# launched from Python: on the GPU their launches cost more host time than their work. `compile_sampling()` fuses
+# them into a few (the hash's integer ops stay bit-identical; softmax and sums within float rounding).
+_fused = {"drafts": _sample_drafts, "verify": _verify_logits}
+
+
+def compile_sampling() -> None:
+    _fused["drafts"] = torch.compile(_sample_drafts, dynamic=True)
+    _fused["verify"] = torch.compile(_verify_logits, dynamic=True)
+
+
+def use_eager_sampling() -> None:
+    _fused.update(drafts=_sample_drafts, verify=_verify_logits)
+
+
+def sample_drafts(logits: torch.Tensor, st: SamplingTensors,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens: logits Float[N, V], positions Long[N] (where each draft goes) -> probs Float[N, V] (the draft
+    distributions q), tokens Long[N]."""
+    return _fused["drafts"](logits, st, positions)
+
+
+def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                  num_drafts: torch.Tensor, st: SamplingTensors, first_position: torch.Tensor) -> VerifyResult:
+    """`verify` from the target's logits Float[B, K+1, V] (st: one row per request, as for `verify`)."""
+    return VerifyResult(*_fused["verify"](logits, draft_tokens, draft_probs, num_drafts, st, first_position))

@@ -171,20 +171,12 @@ def test_uniform_range_and_uniformity():
                         np.full(50, 0.02))
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable"))])
-def test_uniform_matches_pure_python_hash(compiled):
-    """Pins the stream (reproducible across versions) and checks int64 wrap-around leaves the low 32 bits exact,
-    eager and compiled (`compile_uniform`, the fast path's fused hash)."""
-    if compiled:
-        vf.compile_uniform()
-    try:
-        _check_uniform_against_python_hash()
-    finally:
-        vf.use_eager_uniform()
+def test_uniform_matches_pure_python_hash():
+    """Pins the stream (reproducible across versions) and checks int64 wrap-around leaves the low 32 bits exact."""
+    _check_uniform_against_python_hash()
 
 
-def _check_uniform_against_python_hash():
+def _check_uniform_against_python_hash():   # (a helper so that the hash reads top-down, apart from the test)
     M = 0xFFFFFFFF
 
     def lowbias32(x):
@@ -207,6 +199,53 @@ def _check_uniform_against_python_hash():
     for salt in (SALT_TARGET, SALT_DRAFT, SALT_ACCEPT, SALT_RESIDUAL):
         u = uniform(torch.tensor(seeds), torch.tensor(positions), salt)
         assert u.tolist() == [ref(s, p, salt) for s, p in zip(seeds, positions)]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable"))])
+def test_sample_and_verify_from_logits(compiled):
+    """`sample_drafts` / `verify_logits` (what the engine calls; `compile_sampling` fuses them on the fast path) give
+    what the separate steps give: `probs_from_logits` row by row, then `sample` / `verify`. Eager: exactly. Compiled:
+    the hash's integer ops exactly (same uniforms), probabilities within float rounding, so tokens agree but for a rare
+    uniform that lands on a rounded boundary; greedy rows exactly."""
+    g = torch.Generator().manual_seed(21)
+    B, K, V = 300, 4, 500
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0][b % 3], top_k=[0, 40][b % 2], top_p=[1.0, 0.8][b % 4 // 2])
+              for b in range(B)]
+    st = st_of(params, range(B))
+    greedy = st.greedy
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    first = torch.randint(0, 10**6, (B,), generator=g)
+    num_drafts = torch.randint(0, K + 1, (B,), generator=g)
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    draft_probs = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+
+    probs = probs_from_logits(logits.flatten(0, 1), st.rows(torch.arange(B).repeat_interleave(K + 1)))
+    want_tokens = sample(probs.view(B, K + 1, V)[:, 0], st, first, SALT_DRAFT)
+    want = [verify(probs.view(B, K + 1, V), drafts, q, num_drafts, st, first) for q in (draft_probs, None)]
+    want.append(verify(probs.view(B, K + 1, V)[:, :1], drafts[:, :0], None, num_drafts * 0, st, first))
+    if compiled:
+        vf.compile_sampling()
+    try:
+        got_probs, got_tokens = vf.sample_drafts(logits[:, 0], st, first)
+        got = [vf.verify_logits(logits, drafts, q, num_drafts, st, first) for q in (draft_probs, None)]
+        got.append(vf.verify_logits(logits[:, :1], drafts[:, :0], None, num_drafts * 0, st, first))
+    finally:
+        vf.use_eager_sampling()
+
+    def same(a, b):   # exactly; compiled: greedy rows exactly, the others but for rare boundary cases
+        if not compiled:
+            return torch.equal(a, b)
+        return torch.equal(a[greedy], b[greedy]) and (a == b).float().mean() > 0.98
+
+    if compiled:
+        torch.testing.assert_close(got_probs, probs.view(B, K + 1, V)[:, 0], atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(got_probs, probs.view(B, K + 1, V)[:, 0])
+    assert same(got_tokens, want_tokens)
+    for w, o in zip(want, got):
+        assert same(o.num_accepted, w.num_accepted) and same(o.next_token, w.next_token)
+        assert torch.equal(o.is_bonus, o.num_accepted == (num_drafts if o is not got[-1] else 0))
 
 
 @pytest.mark.parametrize("pair", ["salt", "position", "seed"])
