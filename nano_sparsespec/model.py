@@ -5,7 +5,8 @@ q/k RMSNorm (Qwen3 has it, Llama-family models do not), the SwiGLU MLP and the t
 it from a Hugging Face directory of safetensors (one file, or shards listed in `model.safetensors.index.json`).
 
 Must not know about drafting, verification or scheduling: every attention goes through one call,
-`pillar_attn.attend(layer_idx, q, k, v, ctx)`, and `ctx` (built by the engine) decides what each token attends to.
+`pillar_attn.attend(layer_idx, q, k, v, ctx)`, and `ctx` (built by the engine) decides what each token attends to;
+`pillar_attn.prepare(ctx)` and `pillar_attn.finish(ctx)` run once before and after the layers.
 With `ctx=None` that call is plain causal attention over the tokens given: `CausalLM.full_logits` uses it as the
 cache-free reference path for tests and tutorials.
 
@@ -180,6 +181,8 @@ class CausalLM(nn.Module):
             pillar_attn.prepare(ctx, self.config.num_heads // self.config.num_kv_heads)
         for layer in self.layers:
             x = layer(x, rope, ctx)
+        if ctx is not None:
+            pillar_attn.finish(ctx)                                          # the layers' PillarAttn scores
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ Owns
   * `attend(layer, q, k, v, ctx)`: the one attention call the model makes. It writes this step's K/V into the paged
     pool, then runs
       - dense attention for the requests whose tokens need the whole context (prefill chunks, verification, plain
-        decoding, the `full` drafter); it can also return, per (layer, KV head), the attention probabilities averaged
-        over chosen query rows and over the query heads of the GQA group: the PillarAttn scores over positions;
+        decoding, the `full` drafter); when PillarAttn scores are wanted it keeps the layer's queries, and `finish`
+        (once per forward, after the layers) computes the scores of all layers in one batched pass: per (layer, KV
+        head), the attention probabilities averaged over chosen query rows and over the query heads of the GQA
+        group, over positions;
       - sparse attention for draft tokens: each draft query attends only to its gathered slots (the critical positions
         of its layer and KV head, plus every position written since the last verification).
     Both are batched over requests and heads: no Python loop over requests x layers x heads.
@@ -24,7 +26,7 @@ Must not know about scheduling or sampling; the engine builds the `AttentionCont
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +47,9 @@ class DenseBatch:
     q_start: torch.Tensor        # [Bd]              position of each request's first query row; `mask` is exactly:
                                  #                   position <= q_start + row, and (q_valid or position == 0)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
-    scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by attend() when score_weight is set
+    scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by finish() when score_weight is set
     block_mask: object | None = None          # flex_attention BlockMask over the pool, set by `prepare` (paged kernels)
+    score_queries: dict = field(default_factory=dict)   # layer -> its queries [Bd, Qmax, n_heads, D], until finish()
 
 
 @dataclass
@@ -88,21 +91,59 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
             return gather_rows(cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *k.shape[1:])
         queries = q[d.q_index]                                                         # [Bd, Qmax, n_heads, D]
         if d.block_mask is None:
-            dense_out, scores = dense_attention(queries, gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask,
-                                                d.score_weight)
-        else:   # paged kernel: attention reads the pool in place; only the score pass needs the keys gathered
+            dense_out, _ = dense_attention(queries, gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask)
+        else:   # paged kernel: attention reads the pool in place
             dense_out = _kernels["paged"](queries, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
-            scores = None if d.score_weight is None else _kernels["scores"](queries, gathered(ctx.k_cache), d.mask,
-                                                                            d.score_weight)
         out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
-        if scores is not None:
-            d.scores[layer] = scores
+        if d.score_weight is not None:
+            d.score_queries[layer] = queries                  # scored with every other layer's, in `finish`
     if ctx.sparse is not None:
         s = ctx.sparse
         head_dim = q.shape[-1]
         out[s.q_index] = _kernels["sparse"](q[s.q_index], ctx.k_cache[layer].view(-1, head_dim),
                                             ctx.v_cache[layer].view(-1, head_dim), s.kv_index[layer], s.valid)
     return out
+
+
+# Bytes the score pass of one `finish` chunk may take (the gathered keys and the logits of its layers): a verification
+# step of a few dozen requests scores all layers at once; a lock-step one of 128 long requests in a few chunks.
+SCORE_CHUNK_BYTES = 1 << 30
+
+
+def finish(ctx: AttentionContext) -> None:
+    """Once per forward, after the layers: the PillarAttn scores of every layer whose queries `attend` kept.
+
+    Layer by layer, the score pass was ~8 small kernels per layer (its matmuls, reductions and the key gather): on
+    the GPU they cost more in launches than in work. Here the layers go through it together, as a batch of
+    layers x requests: one gather of their keys, then the same kernels once per chunk of layers. Same math per
+    (layer, request) as `pillar_scores` of that layer alone. Fills ctx.dense.scores [L, Bd, n_kv, Lmax]."""
+    d = ctx.dense
+    if d is None or not d.score_queries:
+        return
+    queries, d.score_queries = d.score_queries, {}
+    Bd, Q, Lmax = d.mask.shape
+    _, slots, n_kv, D = ctx.k_cache.shape
+    blocks = slots // ctx.block_size
+    G = next(iter(queries.values())).shape[2] // n_kv
+    layer_bytes = Bd * Lmax * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)     # keys + logits (float)
+    for first, n in _runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
+        q = torch.stack([queries[layer] for layer in range(first, first + n)]).flatten(0, 1)   # [n*Bd, Q, H, D]
+        k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, d.block_table.flatten())
+        k = k.view(n * Bd, Lmax, n_kv, D)                                                    # [n*Bd, Lmax, n_kv, D]
+        mask = d.mask.expand(n, -1, -1, -1).flatten(0, 1)                                    # [n*Bd, Q, Lmax]
+        weight = d.score_weight.expand(n, -1, -1).flatten(0, 1)                              # [n*Bd, Q]
+        d.scores[first:first + n] = _kernels["scores"](q, k, mask, weight).view(n, Bd, n_kv, Lmax)
+
+
+def _runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
+    """Sorted layer ids -> (first, count) of runs of consecutive ids, each at most `longest` long."""
+    runs = []
+    for layer in layers:
+        if runs and runs[-1][0] + runs[-1][1] == layer and runs[-1][1] < longest:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((layer, 1))
+    return runs
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

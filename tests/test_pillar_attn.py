@@ -255,6 +255,8 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
 
     out = attend(layer, q, k, v, ctx)
     assert out.shape == (T, H, D)
+    assert (dense.scores == -1).all()           # scores wait for `finish`, which scores every layer attend kept
+    pa.finish(ctx)
 
     # K/V written at slot_mapping of this layer only; every other slot untouched
     assert torch.equal(k_cache[layer, slot_mapping], k) and torch.equal(v_cache[layer, slot_mapping], v)
@@ -313,6 +315,45 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     assert torch.allclose(logits, model.full_logits(ids), atol=1e-4)
     assert k_cache[:, slots].abs().sum() > 0
 
+
+
+def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
+    """`finish` scores the layers together (chunks of consecutive layers, as many as SCORE_CHUNK_BYTES allows): the
+    same scores as one layer at a time (whose math test_attend_with_context_writes_cache_and_routes_rows checks), each
+    a distribution over the context; attend itself leaves them to finish."""
+    from conftest import make_tiny_checkpoint
+    from nano_sparsespec.model import load_model
+
+    assert pa._runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 1), (4, 2)]
+    path, _ = make_tiny_checkpoint(tmp_path, "qwen3")
+    model = load_model(path)
+    cfg = model.config
+    T, Lmax = 6, 8
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(T)
+    # two requests of 3 queries each, contexts 3 and 3 (positions 0..2), blocks of 4 slots, padded to 8 positions
+    q_index, q_valid = torch.arange(T).view(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    kv = torch.arange(Lmax)
+    mask = kv[None, None, :] <= torch.arange(3)[None, :, None].expand(2, 3, 1)
+    weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [0.0, 0.0, 1.0]])      # a verification, a last prefill chunk
+
+    def scores_with(chunk_bytes):
+        monkeypatch.setattr(pa, "SCORE_CHUNK_BYTES", chunk_bytes)
+        k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+        dense = DenseBatch(q_index, q_valid, pos, pos, torch.tensor([[1, 2], [3, 0]]), mask, q_start=torch.zeros(2),
+                           score_weight=weight, scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
+        slots = torch.tensor([4, 5, 6, 12, 13, 14])
+        ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense)
+        with torch.inference_mode():
+            model(ids, pos % 3, ctx)
+        assert not dense.score_queries                   # finish used what attend kept
+        return dense.scores
+
+    together, one_by_one = scores_with(1 << 30), scores_with(1)
+    assert cfg.num_layers > 1 and (together != -1).all()
+    torch.testing.assert_close(together, one_by_one, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(together.sum(-1), torch.ones(cfg.num_layers, 2, cfg.num_kv_heads))
+    assert (together[..., 3:] == 0).all()               # nothing beyond the context
 
 # --------------------------------------------------------------------------------------------------------------------
 # Critical-token selection

@@ -71,14 +71,15 @@ def capture_rows():
     records, layers = [], []
     orig_scores, orig_select = pillar_attn._kernels["scores"], pillar_attn.select_pillar
 
-    def scores(q, k, mask, score_weight, *rest):                       # called once per layer
-        rows = score_weight[0].nonzero().flatten()                      # scored rows of the one request
-        _, _, H, D = q.shape
+    def scores(q, k, mask, score_weight, *rest):      # called with layers x requests: here one request, so
+        _, _, H, D = q.shape                           # batch entry i is layer i (of this chunk of layers)
         n_kv = k.shape[2]
-        q_rows = q[0, rows].view(len(rows), n_kv, H // n_kv, D).float()                        # [R, n_kv, G, D]
-        logits = torch.einsum("rkgd,lkd->kgrl", q_rows, k[0].float()) * D ** -0.5             # [n_kv, G, R, L]
-        probs = logits.masked_fill(~mask[0, rows][None, None], float("-inf")).softmax(-1)
-        layers.append((probs.mean(1), probs.amax(1), mask[0, rows].sum(-1) - 1))
+        for i in range(q.shape[0]):
+            rows = score_weight[i].nonzero().flatten()                                         # scored rows
+            q_rows = q[i, rows].view(len(rows), n_kv, H // n_kv, D).float()                    # [R, n_kv, G, D]
+            logits = torch.einsum("rkgd,lkd->kgrl", q_rows, k[i].float()) * D ** -0.5         # [n_kv, G, R, L]
+            probs = logits.masked_fill(~mask[i, rows][None, None], float("-inf")).softmax(-1)
+            layers.append((probs.mean(1), probs.amax(1), mask[i, rows].sum(-1) - 1))
         return orig_scores(q, k, mask, score_weight, *rest)
 
     def select(scores_, context_len, budget, *rest):
