@@ -14,6 +14,8 @@ sampling and verification); engine_profile.py warms up first and profiles steady
 Session 8: the parts of `launch` are timed too, and so are apart the launches of steps that hold a prefill chunk
 (eager); `--warm-up N` first generates N tokens with the same settings (compiling what the first steps of each kind
 compile), and the timers count the second generation only.
+Session 9: request i samples with seed i (before, seeds were random: runs of one mode differed in acceptance and in
+their number of steps, e.g. 2,054 and 2,295 steps for pillar-async in session 9's calls 7 and 11).
 """
 import argparse
 import collections
@@ -93,14 +95,16 @@ def main():
     for cls, name, label in TIMED:
         add_timer(cls, name, label)
     time_prefill_launches()
-    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=0.6)
+    # request i samples with seed i, as the bench's rows do: two runs of a mode draft and accept alike (session 9)
+    params = [SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=0.6, seed=i)
+              for i in range(args.batch)]
     for mode in args.modes:
         llm = LLM(gguf=args.gguf, device=args.device, compile=True, cuda_graphs=True, max_batch=args.batch,
                   **MODES[mode])
         texts, ids = load_workload(llm, DEFAULT_PROMPTS, "prompt", args.batch, chat_template=True)
         if args.warm_up:
-            llm.generate(texts, SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6),
-                         prompt_token_ids=ids)
+            llm.generate(texts, [SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6,
+                                                seed=i) for i in range(args.batch)], prompt_token_ids=ids)
         totals.clear()
         llm.generate(texts, params, prompt_token_ids=ids)
         stats = llm.last_stats
