@@ -86,7 +86,6 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
     return _uniform_from_state(_salt_state(salt), seeds, positions)
 
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # per-row sampling parameters
 

@@ -1,4 +1,4 @@
-import torch, traceback
+import torch
 from nano_sparsespec import verifier as vf
 from nano_sparsespec.config import SamplingParams
 dev = "cuda"
