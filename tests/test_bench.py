@@ -47,6 +47,8 @@ def test_every_row_is_measured_with_sane_values(rows_result):
             # prefill-only steps decode nothing, so no row of ours fills every slot in every step
             assert 0 < r["batch_occupancy"] < 1, name
         assert "token_ids" not in r                       # the JSON keeps figures, not outputs
+        if name != "hf":
+            assert r["compile_seconds"] == 0, name       # nothing compiles without --compile
     assert rows["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
     assert rows["plain"]["speedup_vs_plain_cpu_time"] == pytest.approx(1.0)
     for name in ("hf", "plain"):
@@ -66,6 +68,20 @@ def test_every_row_is_measured_with_sane_values(rows_result):
         assert rows[name]["kv_blocks"] == pool
         assert rows[name]["offloads"] > 0 and rows[name]["restores"] == rows[name]["offloads"], name
     assert rows["+balanced"]["kv_blocks"] is None and rows["+balanced"]["offloads"] == 0
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
+                    reason="torch.compile unavailable")
+def test_compilation_inside_a_timed_run_is_reported(rows_result):
+    """compile_seconds counts torch.compile's own compile time; the rows table names a row that compiled."""
+    before = bench.compile_seconds()
+    torch.compile(lambda x: x * 2 + 1, dynamic=True)(torch.ones(3))
+    assert bench.compile_seconds() > before
+    result, _ = rows_result
+    assert "compiled during timed runs" not in bench.rows_markdown(result)
+    result = {**result, "rows": [{**result["rows"][1], "compile_seconds": 2.5}, *result["rows"][2:]]}
+    assert f"compiled during timed runs (shapes their warm-up did not meet; in tok/s unless it fell inside graph " \
+           f"recording): {result['rows'][0]['name']} 2.5 s." in bench.rows_markdown(result)
 
 
 def test_prompt_field_and_outputs(rows_result):

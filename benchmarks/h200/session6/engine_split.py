@@ -14,8 +14,10 @@ sampling and verification); engine_profile.py warms up first and profiles steady
 Session 8: the parts of `launch` are timed too, and so are apart the launches of steps that hold a prefill chunk
 (eager); `--warm-up N` first generates N tokens with the same settings (compiling what the first steps of each kind
 compile), and the timers count the second generation only.
-Session 9: request i samples with seed i (before, seeds were random: runs of one mode differed in acceptance and in
-their number of steps, e.g. 2,054 and 2,295 steps for pillar-async in session 9's calls 7 and 11).
+Session 9: the mode's line says how long torch.compile compiled inside the timed run (shapes the warm-up did not
+meet: in the timers unless it fell inside graph recording); request i samples with seed i (before, seeds were
+random: runs of one mode differed in acceptance and in their number of steps, e.g. 2,054 and 2,295 steps for
+pillar-async in session 9's calls 7 and 11).
 """
 import argparse
 import collections
@@ -24,7 +26,7 @@ import time
 
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.async_loop import Engine
-from nano_sparsespec.bench import DEFAULT_PROMPTS, load_workload
+from nano_sparsespec.bench import DEFAULT_PROMPTS, compile_seconds, load_workload
 from nano_sparsespec import runner
 from nano_sparsespec.cuda_graphs import StaticStep, StepGraphs
 from nano_sparsespec.runner import ModelRunner, StepResult
@@ -106,7 +108,9 @@ def main():
             llm.generate(texts, [SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6,
                                                 seed=i) for i in range(args.batch)], prompt_token_ids=ids)
         totals.clear()
+        compiled = compile_seconds()
         llm.generate(texts, params, prompt_token_ids=ids)
+        compiled = compile_seconds() - compiled
         stats = llm.last_stats
         recording = stats.graph_record_seconds                  # one-time, inside the forward: left out
         for label in ("launch", "  forward (copy inputs, replay)", "    replay"):
@@ -114,7 +118,8 @@ def main():
         per_step = 1e3 / stats.steps
         print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
               f"{(stats.seconds - recording) * per_step:.2f} ms per step ({stats.graphs_recorded} graphs recorded "
-              f"in {recording:.1f} s, left out), mean accepted {stats.summary(8).get('mean_accepted')}")
+              f"in {recording:.1f} s, left out), mean accepted {stats.summary(8).get('mean_accepted')}; "
+              f"torch.compile compiled for {compiled:.1f} s inside the timed run")
         for label in [label for _, _, label in TIMED[:2]] + [PREFILL_LABEL] + [label for _, _, label in TIMED[2:]]:
             print(f"  {label:38s} {totals[label] * per_step:7.3f} ms/step")
 
