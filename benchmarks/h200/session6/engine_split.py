@@ -13,7 +13,7 @@ compilation of the prefill steps' kernels inside `launch` (plain: 21.7 ms per st
 sampling and verification); engine_profile.py warms up first and profiles steady-state steps only.
 Session 8: the parts of `launch` are timed too, and so are apart the launches of steps that hold a prefill chunk
 (eager); `--warm-up N` first generates N tokens with the same settings (compiling what the first steps of each kind
-compile), and the timers count the second generation only.
+compile; since session 9 also for the first request alone), and the timers count the second generation only.
 Session 9: the mode's line says how long torch.compile compiled inside the timed run (shapes the warm-up did not
 meet: in the timers unless it fell inside graph recording); request i samples with seed i (before, seeds were
 random: runs of one mode differed in acceptance and in their number of steps, e.g. 2,054 and 2,295 steps for
@@ -105,8 +105,10 @@ def main():
                   **MODES[mode])
         texts, ids = load_workload(llm, DEFAULT_PROMPTS, "prompt", args.batch, chat_template=True)
         if args.warm_up:
-            llm.generate(texts, [SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6,
-                                                seed=i) for i in range(args.batch)], prompt_token_ids=ids)
+            short = [SamplingParams(max_new_tokens=args.warm_up, ignore_eos=True, temperature=0.6, seed=i)
+                     for i in range(args.batch)]
+            llm.generate(texts, short, prompt_token_ids=ids)
+            llm.generate(texts[:1], short[:1], prompt_token_ids=ids[:1])     # a batch of one too (session 9)
         totals.clear()
         compiled = compile_seconds()
         llm.generate(texts, params, prompt_token_ids=ids)
