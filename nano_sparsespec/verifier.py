@@ -133,7 +133,8 @@ class SamplingTensors:
                                self.any_greedy)
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
-        """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. k+1 verify rows per request)."""
+        """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. one row per logit row; the engine
+        broadcasts a request's row over its K + 1 logit rows instead: `per_position`)."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
                                self.greedy[index], self.use_filter, self.all_greedy, self.any_greedy)
 
