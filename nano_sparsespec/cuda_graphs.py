@@ -1,20 +1,23 @@
 """Static-shape decode steps and their CUDA graphs: the fast GPU path (`cuda_graphs=True`, `--cuda-graphs`).
 
 Why: at decode batch sizes a step is a few hundred small kernels (30 layers x norms, projections, RoPE, attention,
-MLP); launched one by one from Python, the GPU waits on the host. A CUDA graph records a step's kernels once and
-replays them with one launch. A graph replays fixed shapes and fixed addresses, so:
+MLP, then sampling the drafts and verifying); launched one by one from Python, the GPU waits on the host. A CUDA
+graph records a step's kernels once and replays them with one launch. What it records is the runner's whole device
+step after the inputs are built (`ModelRunner._compute`: the forward, draft sampling, verification). A graph replays
+fixed shapes and fixed addresses, so:
 
 Owns
   * `Bucket`: the padded shape of a step — dense requests x query rows x context, sparse drafts x gathered entries,
-    token rows. Sizes round up (`round_up`) so that a long generation needs a few dozen graphs, not one per step;
+    token rows, drafts sampled, checks verified (and their sampling flags). Sizes round up (`round_up`) so that a
+    long generation needs a few dozen graphs, not one per step;
   * `StaticStep`: the static input tensors of one bucket, an `AttentionContext` pointing at them, and (on CUDA) the
     graph recorded over them. `load` copies a step's real tensors in and fills the rest with padding that computes
     harmless finite values: padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`, the
     first slot of a block never handed to a request), padding queries attend to that slot only, and their outputs
-    land in a padding token row;
-  * `StepGraphs.forward(input_ids, positions, ctx)`: what the runner calls instead of the model — pad, replay (or,
-    on a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding logic), and
-    hand back the real rows and PillarAttn scores.
+    land in a padding token row; padding drafts and checks sample that row and write the runner's scratch row;
+  * `StepGraphs.run(input_ids, positions, ctx, readout)`: what the runner calls instead of its `_compute` — pad,
+    replay (or, on a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding
+    logic), and hand back the real checks' results and PillarAttn scores.
 
 Steps with a prefill chunk keep the eager path (their query counts vary too much to bucket usefully).
 Must not change what any real token computes: padding only adds rows and masked columns (tests: greedy equality).
@@ -23,7 +26,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -49,6 +53,10 @@ class Bucket:
     scores: bool                 # PillarAttn scores wanted
     sparse_batch: int            # Bs: draft tokens attending sparsely (padded)
     sparse_width: int            # S: gathered entries per draft (padded)
+    drafts: int                  # Nd: draft tokens sampled (padded)
+    checks: int                  # Bv: verifications (padded)
+    check_drafts: int            # M: drafts per verification (its logit rows: M + 1)
+    sampling: tuple              # the host flags of the drafts' and the checks' sampling
 
     @property
     def tokens(self) -> int:
@@ -56,17 +64,23 @@ class Bucket:
         return self.dense_batch * self.dense_queries + self.sparse_batch + 1
 
     @staticmethod
-    def of(ctx: AttentionContext, context_step: int, width_step: int) -> "Bucket":
-        d, s = ctx.dense, ctx.sparse
+    def of(ctx: AttentionContext, readout, context_step: int, width_step: int) -> "Bucket":
+        d, s, r = ctx.dense, ctx.sparse, readout
+        checks = r.check_logit_rows
         return Bucket(batch_bucket(d.mask.shape[0]) if d else 0, d.mask.shape[1] if d else 0,
                       round_up(d.mask.shape[2], context_step) if d else 0, bool(d and d.score_weight is not None),
-                      batch_bucket(s.valid.shape[0]) if s else 0, round_up(s.valid.shape[1], width_step) if s else 0)
+                      batch_bucket(s.valid.shape[0]) if s else 0, round_up(s.valid.shape[1], width_step) if s else 0,
+                      batch_bucket(r.draft_row.shape[0]) if r.draft_row is not None else 0,
+                      batch_bucket(checks.shape[0]) if checks is not None else 0,
+                      checks.shape[1] - 1 if checks is not None else 0,
+                      tuple((r.draft_flags or {}).items()) + tuple((r.check_flags or {}).items()))
 
 
 class StaticStep:
-    """Static inputs of one bucket, the context that points at them, and the recorded graph (CUDA only)."""
+    """Static inputs of one bucket, the context and readout that point at them, and the recorded graph (CUDA only).
+    `readout` is the first step's (the runner's `Readout`): the static one copies its host flags."""
 
-    def __init__(self, bucket: Bucket, model: CausalLM, cache: KVCache, graphs: "StepGraphs"):
+    def __init__(self, bucket: Bucket, model: CausalLM, cache: KVCache, graphs: "StepGraphs", readout):
         cfg, dev = model.config, cache.device
         long = dict(dtype=torch.long, device=dev)
         b = bucket
@@ -92,10 +106,23 @@ class StaticStep:
             self.ctx.sparse = SparseBatch(q_index=torch.zeros(Bs, **long),
                                           kv_index=torch.zeros(cfg.num_layers, Bs, cfg.num_kv_heads, S, **long),
                                           valid=torch.zeros(Bs, S, dtype=torch.bool, device=dev))
+        Nd, Bv, M = b.drafts, b.checks, b.check_drafts
+        has_drafts, has_checks = readout.draft_row is not None, readout.check_row is not None
+        self.readout = replace(
+            readout,
+            draft_logit_row=torch.zeros(Nd, **long) if has_drafts else None,                 # [Ndp]
+            draft_row=torch.zeros(Nd, **long) if has_drafts else None,
+            draft_index=torch.zeros(Nd, **long) if has_drafts else None,
+            draft_position=torch.zeros(Nd, **long) if has_drafts else None,
+            check_logit_rows=torch.zeros(Bv, M + 1, **long) if has_checks else None,         # [Bvp, M + 1]
+            check_row=torch.zeros(Bv, **long) if has_checks else None,
+            check_num_drafts=torch.zeros(Bv, **long) if has_checks else None,
+            check_first_position=torch.zeros(Bv, **long) if has_checks else None,
+            ngram_drafts=torch.zeros(Bv, M, **long) if readout.ngram_drafts is not None else None)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.hidden: torch.Tensor | None = None                                          # [Tp, hidden] graph output
+        self.packed: torch.Tensor | None = None                                          # [Bvp, 3 + M] graph output
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> None:
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, readout) -> None:
         """Copy one step's tensors in; everything beyond them becomes padding."""
         pad_row = self.pad_row
         _put(self.input_ids, input_ids, 0)
@@ -122,29 +149,45 @@ class StaticStep:
             _put(ss.kv_index, s.kv_index, self.scratch_index)
             _put(ss.valid, s.valid, False)
             ss.valid[Bs:, 0] = True                             # padding drafts see one (scratch) entry
+        r, sr, scratch_row = readout, self.readout, self.graphs.scratch_row
+        if r.draft_row is not None:                             # padding drafts: sampled from the padding token row,
+            _put(sr.draft_logit_row, r.draft_logit_row, pad_row)                # written to the scratch row
+            _put(sr.draft_row, r.draft_row, scratch_row)
+            _put(sr.draft_index, r.draft_index, 0)
+            _put(sr.draft_position, r.draft_position, 0)
+        if r.check_row is not None:                             # padding checks: no drafts, the same rows
+            _put(sr.check_logit_rows, r.check_logit_rows, pad_row)
+            _put(sr.check_row, r.check_row, scratch_row)
+            _put(sr.check_num_drafts, r.check_num_drafts, 0)
+            _put(sr.check_first_position, r.check_first_position, 0)
+            if sr.ngram_drafts is not None:
+                _put(sr.ngram_drafts, r.ngram_drafts, 0)
 
     def run(self) -> torch.Tensor:
-        """hidden [Tp, hidden] of the loaded step: replay the graph (recording it the first time) or run eagerly."""
+        """packed [Bvp, 3 + M] of the loaded step: replay the graph (recording it the first time) or run eagerly."""
         if self.input_ids.device.type != "cuda":
-            return self.model(self.input_ids, self.positions, self.ctx)
+            return self._compute()
         if self.graph is None:
             self._record()
         self.graph.replay()
-        return self.hidden
+        return self.packed
+
+    def _compute(self) -> torch.Tensor:
+        return self.graphs.compute(self.input_ids, self.positions, self.ctx, self.readout)
 
     def _record(self) -> None:
-        # A warm-up run on a side stream first (library handles and workspaces are created outside the capture).
-        # It computes the loaded step itself, so the K/V it writes are the ones the replay writes again.
+        # A warm-up run on a side stream first (library handles, workspaces and compiled kernels are created outside
+        # the capture). It computes the loaded step itself, so what it writes (K/V, drafts) the replay writes again.
         torch.cuda.synchronize()
         start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model(self.input_ids, self.positions, self.ctx)
+            self._compute()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.graphs.memory_pool()):
-            self.hidden = self.model(self.input_ids, self.positions, self.ctx)
+            self.packed = self._compute()
         torch.cuda.synchronize()
         self.graphs.record_seconds += time.perf_counter() - start
 
@@ -156,10 +199,12 @@ def _put(static: torch.Tensor, real: torch.Tensor, fill) -> None:
 
 
 class StepGraphs:
-    """One `StaticStep` per bucket met so far, for one model and one KV pool."""
+    """One `StaticStep` per bucket met so far, for one model and one KV pool. `compute(input_ids, positions, ctx,
+    readout) -> packed` is the runner's device step; `scratch_row` the row of its buffers that padding may write."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, context_step: int = 256, width_step: int = 32):
-        self.model, self.cache = model, cache
+    def __init__(self, model: CausalLM, cache: KVCache, compute: Callable, scratch_row: int,
+                 context_step: int = 256, width_step: int = 32):
+        self.model, self.cache, self.compute, self.scratch_row = model, cache, compute, scratch_row
         self.context_step, self.width_step = math.lcm(context_step, cache.block_size), width_step   # whole blocks
         self.steps: dict[Bucket, StaticStep] = {}
         self._pool = None
@@ -171,15 +216,17 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """hidden [T, hidden] for the step's real tokens; ctx.dense.scores, when asked for, is filled as eager does."""
-        bucket = Bucket.of(ctx, self.context_step, self.width_step)
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, readout) -> torch.Tensor:
+        """packed [Bv, 3 + M] for the step's real checks (valid until the next replay); ctx.dense.scores, when asked
+        for, is filled as eager does."""
+        bucket = Bucket.of(ctx, readout, self.context_step, self.width_step)
         step = self.steps.get(bucket)
         if step is None:
-            step = self.steps[bucket] = StaticStep(bucket, self.model, self.cache, self)
-        step.load(input_ids, positions, ctx)
-        hidden = step.run()
+            step = self.steps[bucket] = StaticStep(bucket, self.model, self.cache, self, readout)
+        step.load(input_ids, positions, ctx, readout)
+        packed = step.run()
         if ctx.dense is not None and ctx.dense.scores is not None:
             Bd, _, L = ctx.dense.mask.shape
             ctx.dense.scores = step.ctx.dense.scores[:, :Bd, :, :L]
-        return hidden[:input_ids.shape[0]]
+        checks = readout.check_row.shape[0] if readout.check_row is not None else 0
+        return packed[:checks]

@@ -33,6 +33,29 @@ from .cuda_graphs import StepGraphs
 from .device import common_prefix, to_device, to_device_packed
 from .scheduler import Sequence, Work
 
+# the named device lists of a step (`launch`) that make up its Readout
+READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position", "check_logit_rows", "check_row",
+                 "check_num_drafts", "check_first_position", "ngram_drafts")
+
+
+@dataclass
+class Readout:
+    """What a step reads out of its hidden states after the forward: which token rows are sampled as drafts and which
+    verify, for which request rows (index tensors on the device), with the sampling flags of those requests (host).
+    Draft fields are None in a step without drafts, check fields None in a step without verifications."""
+    draft_logit_row: torch.Tensor | None = None        # [Nd] the flat token row whose output samples the draft
+    draft_row: torch.Tensor | None = None              # [Nd] its request's row (draft buffers, sampling table)
+    draft_index: torch.Tensor | None = None            # [Nd] the draft buffer column it fills
+    draft_position: torch.Tensor | None = None         # [Nd] the position it will occupy (its uniform's counter)
+    check_logit_rows: torch.Tensor | None = None       # [Bv, M+1] a verification's k+1 rows; a last prefill chunk's
+    check_row: torch.Tensor | None = None              # [Bv]      last row (repeated as padding)
+    check_num_drafts: torch.Tensor | None = None       # [Bv] drafts it checks (0..M)
+    check_first_position: torch.Tensor | None = None   # [Bv] position its first logit row decides
+    ngram_drafts: torch.Tensor | None = None           # [Bv, M] n-gram drafts (method ngram; model drafts are on
+                                                       #   the device already, in the runner's draft buffer)
+    draft_flags: dict | None = None                    # SamplingTensors.host_flags of the drafts' requests
+    check_flags: dict | None = None                    # ... and of the checks' requests
+
 
 @dataclass
 class StepResult:
@@ -40,28 +63,25 @@ class StepResult:
     works: list[Work]
     verify_works: list[Work]                 # verifications and last prefill chunks, in result order
     num_drafts: list[int]                    # drafts checked by each of them
-    num_accepted: torch.Tensor               # [Bv]
-    next_token: torch.Tensor                 # [Bv] the recovered / bonus (or, after prefill, first) token
-    is_bonus: torch.Tensor                   # [Bv]
-    draft_tokens: torch.Tensor               # [Bv, Mmax] drafts checked by each verification
-    scores: torch.Tensor | None              # [L, Bv, n_kv, Lmax] PillarAttn scores of those requests, or None
-    host: torch.Tensor | None = None         # [Bv, 3 + Mmax] the four above, copied to the host (`start_copy`)
+    packed: torch.Tensor                     # [Bv, 3 + Mmax] per check: accepted count, the recovered / bonus (or,
+                                             # after prefill, first) token, 1 if bonus, the drafts it checked
+    scores: torch.Tensor | None = None       # [L, Bv, n_kv, Lmax] PillarAttn scores of those requests, or None
+    host: torch.Tensor | None = None         # `packed` copied to the host (`start_copy`)
     copied: torch.cuda.Event | None = None   # recorded on the stream right after that copy (CUDA only)
 
     def start_copy(self) -> None:
         """Queue the copy of what the host bookkeeping needs, right behind this step's own work.
 
         With delayed verification the host fetches step t-1 after it has queued step t; a copy queued only then would
-        wait for step t as well, and the host would have nothing left to overlap."""
-        packed = torch.cat([self.num_accepted[:, None], self.next_token[:, None], self.is_bonus.long()[:, None],
-                            self.draft_tokens], dim=1)                                   # [Bv, 3 + Mmax]
-        if packed.device.type == "cuda":
-            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.host.copy_(packed, non_blocking=True)              # pinned destination: an asynchronous copy
+        wait for step t as well, and the host would have nothing left to overlap. (Queued before the next step, it
+        also reads `packed` before a CUDA graph replay can reuse that memory.)"""
+        if self.packed.device.type == "cuda":
+            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            self.host.copy_(self.packed, non_blocking=True)          # pinned destination: an asynchronous copy
             self.copied = torch.cuda.Event()
             self.copied.record()
         else:
-            self.host = packed
+            self.host = self.packed
 
     def fetch(self) -> dict:
         """What the host bookkeeping needs (the step's one synchronisation: it waits for this step only)."""
@@ -75,13 +95,16 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig, cuda_graphs: bool = False):
         self.model, self.cache, self.spec = model, cache, spec
-        self.graphs = StepGraphs(model, cache) if cuda_graphs else None     # padded static steps (CUDA: graphs)
         cfg = model.config
         self.device = cache.device
         self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
         rows, k = spec.max_batch, max(spec.stride, 1)
-        self.draft_tokens = torch.zeros(rows, k, dtype=torch.long, device=self.device)   # [rows, k]
-        self.draft_probs: torch.Tensor | None = None                                      # [rows, k, V] when sampling
+        # Buffers indexed by request row have one row more, the scratch row: a padded static step's padding drafts
+        # and checks read and write there, never in a request's row.
+        self.scratch_row = rows
+        self.graphs = StepGraphs(model, cache, self._compute, self.scratch_row) if cuda_graphs else None
+        self.draft_tokens = torch.zeros(rows + 1, k, dtype=torch.long, device=self.device)   # [rows + 1, k]
+        self.draft_probs: torch.Tensor | None = None                                          # [rows + 1, k, V]
         self.selection = torch.zeros(rows, self.num_layers, self.n_kv, 0, dtype=torch.long, device=self.device)
         self.selection_len = [0] * rows                                                   # valid width per row
         # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
@@ -91,7 +114,8 @@ class ModelRunner:
         self.block_tables = torch.zeros(rows, 0, dtype=torch.long, device=self.device)    # [rows, capacity]
         self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * rows                # (seq_id, table as sent)
         # each row's sampling parameters, sent once when a request takes the row
-        self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * rows, [0] * rows, self.device)
+        self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * (rows + 1), [0] * (rows + 1),
+                                                             self.device)
         self.params_sent = [-1] * rows                                                    # seq_id holding a row
 
     # --- critical positions ------------------------------------------------------------------------------------------
@@ -302,18 +326,29 @@ class ModelRunner:
             ctx.dense = self._dense_batch([w for w, _ in dense], dev)
         if sparse:
             ctx.sparse = self._sparse_batch([w for w, _ in sparse], dev, input_ids)
-        static = self.graphs is not None and all(w.kind != "prefill" for w in works)
-        forward = self.graphs.forward if static else self.model
-        hidden = forward(input_ids, dev["positions"], ctx)       # [T, hidden]
-
+        readout = Readout(**{name: dev.get(name) for name in READOUT_LISTS})
         if drafts:
-            self._sample_drafts(hidden, [w.seq for w, _ in drafts], dev)
-        result = self._verify(hidden, checks, num_drafts, dev)
+            readout.draft_flags = verifier.SamplingTensors.host_flags([w.seq.params for w, _ in drafts])
+        if checks:
+            readout.check_flags = verifier.SamplingTensors.host_flags([w.seq.params for w, _ in checks])
+        if self.graphs is not None and all(w.kind != "prefill" for w in works):
+            packed = self.graphs.run(input_ids, dev["positions"], ctx, readout)     # one padded static step
+        else:
+            packed = self._compute(input_ids, dev["positions"], ctx, readout)
+        result = StepResult(works, [w for w, _ in checks], num_drafts, packed)
         if wants_scores and checks:
             result.scores = ctx.dense.scores[:, dev["check_dense_index"]]
-        result.works = works
         result.start_copy()
         return result
+
+    def _compute(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                 readout: Readout) -> torch.Tensor:
+        """The step's device work once its inputs are built: the forward, then sampling drafts and verifying.
+        A padded static step records this whole function as one CUDA graph. -> packed results [Bv, 3 + M]."""
+        hidden = self.model(input_ids, positions, ctx)                              # [T, hidden]
+        if readout.draft_row is not None:
+            self._sample_drafts(hidden, readout)
+        return self._verify(hidden, readout)
 
     def _token_lists(self, works: list[Work]) -> dict[str, list]:
         """input_ids, positions and KV slots of every token of the step [T]; where inputs come from the draft buffer."""
@@ -347,21 +382,19 @@ class ModelRunner:
 
     @staticmethod
     def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
-        return {"draft_logit_row": [r for _, r in drafts],
-                "draft_decided": [w.start + 1 for w, _ in drafts],            # position each draft will occupy
-                "draft_row": [w.seq.row for w, _ in drafts],
-                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts]}
+        return {"draft_logit_row": [r for _, r in drafts], "draft_row": [w.seq.row for w, _ in drafts],
+                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
+                "draft_position": [w.start + 1 for w, _ in drafts]}
 
-    def _sample_drafts(self, hidden: torch.Tensor, seqs: list[Sequence], dev: dict[str, torch.Tensor]) -> None:
-        logits = self.model.logits(hidden[dev["draft_logit_row"]])                     # [Bs, V]
-        st = self.sampling.select(dev["draft_row"], [s.params for s in seqs])
-        probs, tokens = verifier.sample_drafts(logits, st, dev["draft_decided"])
-        rows, index = dev["draft_row"], dev["draft_index"]
-        self.draft_tokens[rows, index] = tokens
+    def _sample_drafts(self, hidden: torch.Tensor, r: Readout) -> None:
+        logits = self.model.logits(hidden[r.draft_logit_row])                          # [Nd, V]
+        st = self.sampling.select(r.draft_row, r.draft_flags)
+        probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)           # [Nd, V], [Nd]
+        self.draft_tokens[r.draft_row, r.draft_index] = tokens
         if not st.all_greedy:
-            if self.draft_probs is None:
+            if self.draft_probs is None:   # (a graph's first, eager run allocates it: never inside a recording)
                 self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=self.device)
-            self.draft_probs[rows, index] = probs
+            self.draft_probs[r.draft_row, r.draft_index] = probs
 
     def _check_lists(self, checks: list[tuple[Work, int]], num_drafts: list[int],
                      dense: list[tuple[Work, int]] | None) -> dict[str, list]:
@@ -370,10 +403,10 @@ class ModelRunner:
         # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
         logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
                       else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
-        lists = {"verify_logit_rows": logit_rows, "verify_row": [w.seq.row for w, _ in checks],
-                 "verify_num_drafts": num_drafts,
-                 "verify_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
-                                           for w, _ in checks]}
+        lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
+                 "check_num_drafts": num_drafts,
+                 "check_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
+                                          for w, _ in checks]}
         if self.spec.method == "ngram":
             lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
                                      for (w, _), m in zip(checks, num_drafts)]                 # [Bv, M]
@@ -382,27 +415,23 @@ class ModelRunner:
             lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
         return lists
 
-    def _verify(self, hidden: torch.Tensor, checks: list[tuple[Work, int]], num_drafts: list[int],
-                dev: dict[str, torch.Tensor]) -> StepResult:
-        if not checks:
-            empty = torch.zeros(0, dtype=torch.long, device=self.device)
-            return StepResult([], [], [], empty, empty, empty.bool(), empty[:, None], None)
-        seqs = [w.seq for w, _ in checks]
-        params = [s.params for s in seqs]
-        m_max = max(num_drafts)
-        logit_rows = dev["verify_logit_rows"]                                           # [Bv, M+1]
-        logits = self.model.logits(hidden[logit_rows.flatten()]).view(len(checks), m_max + 1, -1)  # [Bv, M+1, V]
-        st = self.sampling.select(dev["verify_row"], params)                            # one row per check
+    def _verify(self, hidden: torch.Tensor, r: Readout) -> torch.Tensor:
+        """Verify the step's checks -> packed [Bv, 3 + M] (see `StepResult.packed`)."""
+        if r.check_row is None:
+            return torch.zeros(0, 3, dtype=torch.long, device=self.device)
+        num_checks, m_max = r.check_logit_rows.shape[0], r.check_logit_rows.shape[1] - 1
+        logits = self.model.logits(hidden[r.check_logit_rows.flatten()]).view(num_checks, m_max + 1, -1)
+        st = self.sampling.select(r.check_row, r.check_flags)                           # one row per check
         draft_probs = None
-        if self.spec.method == "ngram":
-            draft_tokens = dev["ngram_drafts"]                                          # [Bv, M]
+        if r.ngram_drafts is not None:
+            draft_tokens = r.ngram_drafts                                               # [Bv, M]
         else:
-            draft_tokens = self.draft_tokens[dev["verify_row"], :m_max]                  # [Bv, M] (a copy)
+            draft_tokens = self.draft_tokens[r.check_row, :m_max]                       # [Bv, M] (a copy)
             if self.draft_probs is not None and not st.all_greedy:
-                draft_probs = self.draft_probs[dev["verify_row"], :m_max]
-        out = verifier.verify_logits(logits, draft_tokens, draft_probs, dev["verify_num_drafts"], st,
-                                     dev["verify_first_position"])
+                draft_probs = self.draft_probs[r.check_row, :m_max]
+        out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
+                                     r.check_first_position)
         if self.spec.runs_ahead:   # the request's next step, launched before the host sees this token, reads it here
-            self.draft_tokens[dev["verify_row"], 0] = out.next_token
-        return StepResult([], [w for w, _ in checks], num_drafts, out.num_accepted, out.next_token, out.is_bonus,
-                          draft_tokens, None)
+            self.draft_tokens[r.check_row, 0] = out.next_token
+        return torch.cat([out.num_accepted[:, None], out.next_token[:, None], out.is_bonus.long()[:, None],
+                          draft_tokens], dim=1)

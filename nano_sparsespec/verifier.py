@@ -138,11 +138,11 @@ class SamplingTensors:
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
                                self.greedy[index], self.use_filter, self.all_greedy, self.any_greedy)
 
-    def select(self, index: torch.Tensor, params_list: list[SamplingParams]) -> "SamplingTensors":
-        """Rows `index` Long[M] of a table of per-request rows, whose requests' params are `params_list` (M): the
-        host flags come from those params, so rows of other requests in the table do not change them."""
+    def select(self, index: torch.Tensor, flags: dict) -> "SamplingTensors":
+        """Rows `index` Long[M] of a table of per-request rows, with `flags` = `host_flags` of the params of the
+        requests they hold, so rows of other requests in the table do not change them."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
-                               self.greedy[index], **self.host_flags(params_list))
+                               self.greedy[index], **flags)
 
     def __len__(self) -> int:
         return self.seed.shape[0]

@@ -25,7 +25,7 @@ def test_selected_sampling_rows_take_their_flags_from_their_own_requests():
     table = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9),
                                          SamplingParams(temperature=1.0)], [1, 2, 3])
     params = [SamplingParams(), SamplingParams(temperature=1.0)]
-    st = table.select(torch.tensor([0, 2]), params)
+    st = table.select(torch.tensor([0, 2]), SamplingTensors.host_flags(params))
     assert st.seed.tolist() == [1, 3] and st.greedy.tolist() == [True, False]
     assert (st.use_filter, st.all_greedy, st.any_greedy) == (False, False, True)   # row 1's top_p is not selected
-    assert table.select(torch.tensor([0]), [SamplingParams()]).all_greedy
+    assert table.select(torch.tensor([0]), SamplingTensors.host_flags([SamplingParams()])).all_greedy

@@ -243,8 +243,7 @@ def test_fetch_returns_the_step_results_and_waits_for_that_step_only(device):
     next step, which the host's processing of this one is meant to overlap. Here the next step is a GPU spin of about
     a second, still running when the fetch returns."""
     dev = torch.device(device)
-    result = StepResult([], [], [2, 1], torch.tensor([2, 0], device=dev), torch.tensor([7, 9], device=dev),
-                        torch.tensor([False, True], device=dev), torch.tensor([[3, 4], [5, 0]], device=dev), None)
+    result = StepResult([], [], [2, 1], torch.tensor([[2, 7, 0, 3, 4], [0, 9, 1, 5, 0]], device=dev))
     result.start_copy()
     if dev.type == "cuda":
         torch.cuda._sleep(2 ** 31)                           # queued behind the copy
