@@ -18,6 +18,8 @@ Session 9: the mode's line says how long torch.compile compiled inside the timed
 meet: in the timers unless it fell inside graph recording); request i samples with seed i (before, seeds were
 random: runs of one mode differed in acceptance and in their number of steps, e.g. 2,054 and 2,295 steps for
 pillar-async in session 9's calls 7 and 11).
+Session 10: a static step's graph holds draft sampling and verification too (`ModelRunner._compute`), so they are
+no longer timed apart: they are part of "replay" (recording left out) or, in steps with a prefill chunk, of that line.
 """
 import argparse
 import collections
@@ -49,12 +51,10 @@ TIMED = [(Scheduler, "schedule", "schedule"),
          (runner, "to_device_packed", "  the one copy"),
          (ModelRunner, "_dense_batch", "  dense batch tensors"),
          (ModelRunner, "_sparse_batch", "  sparse batch tensors"),
-         (StepGraphs, "forward", "  forward (copy inputs, replay)"),
+         (StepGraphs, "run", "  device step (copy inputs, replay)"),
          (StaticStep, "load", "    copy inputs into the static step"),
          (StaticStep, "run", "    replay"),
          (StepResult, "start_copy", "  queue the result copy"),
-         (ModelRunner, "_sample_drafts", "  sample drafts"),
-         (ModelRunner, "_verify", "  verify"),
          (Engine, "_process", "process"),
          (StepResult, "fetch", "  fetch (waiting for the GPU)"),
          (Engine, "_refresh_drafting_state", "  refresh critical positions")]
@@ -115,7 +115,7 @@ def main():
         compiled = compile_seconds() - compiled
         stats = llm.last_stats
         recording = stats.graph_record_seconds                  # one-time, inside the forward: left out
-        for label in ("launch", "  forward (copy inputs, replay)", "    replay"):
+        for label in ("launch", "  device step (copy inputs, replay)", "    replay"):
             totals[label] -= recording
         per_step = 1e3 / stats.steps
         print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
