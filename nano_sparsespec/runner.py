@@ -10,8 +10,10 @@ Owns
     request's drafts attend to, each request's sampling parameters (sent once per request), and a mirror of each
     request's block table (updated with only the entries that changed, so a step does not rebuild [B, blocks] tables
     from Python lists);
-  * after the forward: sampling draft tokens (`verifier.sample_drafts`), and verification (`verifier.verify_logits`)
-    for verifying requests and for a request's last prefill chunk (a verification with no drafts).
+  * after the forward, as its `Readout` says: sampling draft tokens (`verifier.sample_drafts`), and verification
+    (`verifier.verify_logits`) for verifying requests and for a request's last prefill chunk (a verification with no
+    drafts). `_compute` (forward + readout) is the whole device step: a padded static step records it as one CUDA
+    graph (cuda_graphs.py), so neither the layers nor the sampling are launched from Python kernel by kernel.
 Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
 engine can launch step t before it looks at step t-1 (delayed verification).
 

@@ -1,6 +1,7 @@
 # Session 10, a call on a machine where the first call copied part_aa and installed the wheels: rebuild the GGUF
 # (once per machine), then what the environment asks for: PYTEST=1 the CUDA tests, SPLIT="mode ..." engine_split,
-# TEMPS="0.6 0" the rows (ROWS, default plain,+async; EXTRA: more bench options, e.g. "--stride 4").
+# TEMPS="0.6 0" the rows (ROWS, default plain,+async; NREQ requests (128) x TOKENS new tokens (2048) through
+# 128 slots; EXTRA: more bench options, e.g. "--stride 4"; TAG: a suffix for the output names).
 set -o pipefail
 if [ ! -f /root/m/smollm2.gguf ]; then
   cp .gpu/part_ab /root/m/ && cat /root/m/part_aa /root/m/part_ab > /root/m/smollm2.gguf
@@ -18,9 +19,9 @@ if [ -n "$SPLIT" ]; then
     | grep -E "tok/s|ms/step|Error|error" | tee $OUT/engine_split_call$call.txt
 fi
 for T in $TEMPS; do
-  name=rows_call${call}_b128_n128_2048_t${T}_kv1${TAG}
+  name=rows_call${call}_b128_n${NREQ:-128}_${TOKENS:-2048}_t${T}_kv1${TAG}
   python -m nano_sparsespec.bench --gguf $G --device cuda --cuda-graphs --compile --batch-size 128 \
-    --num-requests 128 --max-new-tokens 2048 --ignore-eos --temperature $T --kv-fraction 1 --rows ${ROWS:-plain,+async} \
+    --num-requests ${NREQ:-128} --max-new-tokens ${TOKENS:-2048} --ignore-eos --temperature $T --kv-fraction 1 --rows ${ROWS:-plain,+async} \
     $EXTRA --json-out $OUT/$name.json --md-out $OUT/$name.md --plot-out $OUT/$name.png 2>&1 | grep -v -i warn \
     | grep -v -i "online softmax\|split the reduction\|important use case\|^softmax\|^$" | tee $OUT/$name.log
 done
