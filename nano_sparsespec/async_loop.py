@@ -64,6 +64,7 @@ class RunStats:
     restores: int = 0
     graphs_recorded: int = 0                                        # CUDA graphs recorded (cuda_graphs=True)
     graph_record_seconds: float = 0.0                               # ... and the wall time that took (in `seconds`)
+    graph_record_compile_seconds: float = 0.0                       # ... of which torch.compile compiled
 
     @property
     def tokens_per_second(self) -> float:
@@ -148,6 +149,7 @@ class Engine:
         if self.runner.graphs is not None:
             self.stats.graphs_recorded = len(self.runner.graphs.steps)
             self.stats.graph_record_seconds = self.runner.graphs.record_seconds
+            self.stats.graph_record_compile_seconds = self.runner.graphs.record_compile_seconds
         return self.stats
 
     def _record_step(self, works) -> None:

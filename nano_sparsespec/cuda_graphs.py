@@ -36,6 +36,14 @@ from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process so far (torch's own tally of its compile calls).
+    A graph's first, eager run is where a new step shape meets the compiled kernels: `StaticStep._record` notes how
+    much of this fell inside recording."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
+
+
 def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -179,7 +187,7 @@ class StaticStep:
         # A warm-up run on a side stream first (library handles, workspaces and compiled kernels are created outside
         # the capture). It computes the loaded step itself, so what it writes (K/V, drafts) the replay writes again.
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), compile_seconds()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -190,6 +198,7 @@ class StaticStep:
             self.packed = self._compute()
         torch.cuda.synchronize()
         self.graphs.record_seconds += time.perf_counter() - start
+        self.graphs.record_compile_seconds += compile_seconds() - compiled
 
 
 def _put(static: torch.Tensor, real: torch.Tensor, fill) -> None:
@@ -209,6 +218,7 @@ class StepGraphs:
         self.steps: dict[Bucket, StaticStep] = {}
         self._pool = None
         self.record_seconds = 0.0            # wall time spent recording graphs (a one-time start-up cost)
+        self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
 
     def memory_pool(self):
         """One memory pool for all these graphs: steps replay one at a time, so their scratch memory is shared."""

@@ -121,7 +121,8 @@ def main():
         print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
               f"{(stats.seconds - recording) * per_step:.2f} ms per step ({stats.graphs_recorded} graphs recorded "
               f"in {recording:.1f} s, left out), mean accepted {stats.summary(8).get('mean_accepted')}; "
-              f"torch.compile compiled for {compiled:.1f} s inside the timed run")
+              f"torch.compile compiled for {compiled:.1f} s inside the timed run "
+              f"({stats.graph_record_compile_seconds:.1f} s of it while recording graphs)")
         for label in [label for _, _, label in TIMED[:2]] + [PREFILL_LABEL] + [label for _, _, label in TIMED[2:]]:
             print(f"  {label:38s} {totals[label] * per_step:7.3f} ms/step")
 
