@@ -92,7 +92,7 @@ class StaticStep:
         cfg, dev = model.config, cache.device
         long = dict(dtype=torch.long, device=dev)
         b = bucket
-        self.bucket, self.model, self.graphs = bucket, model, graphs
+        self.bucket, self.graphs = bucket, graphs
         self.scratch_slot, self.pad_row = cache.scratch_slot, b.tokens - 1
         self.scratch_index = cache.scratch_slot * cfg.num_kv_heads          # the scratch slot, KV head 0, as a flat index
         self.input_ids = torch.zeros(b.tokens, **long)                                   # [Tp]

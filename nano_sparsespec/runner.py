@@ -49,8 +49,9 @@ class Readout:
     draft_row: torch.Tensor | None = None              # [Nd] its request's row (draft buffers, sampling table)
     draft_index: torch.Tensor | None = None            # [Nd] the draft buffer column it fills
     draft_position: torch.Tensor | None = None         # [Nd] the position it will occupy (its uniform's counter)
-    check_logit_rows: torch.Tensor | None = None       # [Bv, M+1] a verification's k+1 rows; a last prefill chunk's
-    check_row: torch.Tensor | None = None              # [Bv]      last row (repeated as padding)
+    check_logit_rows: torch.Tensor | None = None       # [Bv, M+1] a verification's k+1 rows, or a last prefill
+                                                       #   chunk's last row (repeated as padding)
+    check_row: torch.Tensor | None = None              # [Bv] its request's row
     check_num_drafts: torch.Tensor | None = None       # [Bv] drafts it checks (0..M)
     check_first_position: torch.Tensor | None = None   # [Bv] position its first logit row decides
     ngram_drafts: torch.Tensor | None = None           # [Bv, M] n-gram drafts (method ngram; model drafts are on
