@@ -29,8 +29,6 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from .config import SamplingParams, SpecConfig
 from .kv_cache import KVCache
 
@@ -55,7 +53,6 @@ class Sequence:
     verify_slot: int = 0
     num_drafts: int = 0                               # model drafts made since the last verification
     ngram_drafts: list[int] = field(default_factory=list)
-    selection: torch.Tensor | None = None             # [L, n_kv, n] critical positions (PillarAttn / streaming)
     row: int = -1                                     # row in the engine's per-request device buffers
     admitted_at: int = 0
     results_in_flight: int = 0                        # verifications / last prefill chunk whose results are not in yet
