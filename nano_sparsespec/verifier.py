@@ -35,7 +35,7 @@ rejection-sampling proof requires.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -141,8 +141,7 @@ class SamplingTensors:
     def select(self, index: torch.Tensor, flags: dict) -> "SamplingTensors":
         """Rows `index` Long[M] of a table of per-request rows, with `flags` = `host_flags` of the params of the
         requests they hold, so rows of other requests in the table do not change them."""
-        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
-                               self.greedy[index], **flags)
+        return replace(self.rows(index), **flags)
 
     def __len__(self) -> int:
         return self.seed.shape[0]
