@@ -1,23 +1,21 @@
 """Static-shape decode steps and their CUDA graphs: the fast GPU path (`cuda_graphs=True`, `--cuda-graphs`).
 
 Why: at decode batch sizes a step is a few hundred small kernels (30 layers x norms, projections, RoPE, attention,
-MLP, then sampling the drafts and verifying); launched one by one from Python, the GPU waits on the host. A CUDA
-graph records a step's kernels once and replays them with one launch. What it records is the runner's whole device
-step after the inputs are built (`ModelRunner._compute`: the forward, draft sampling, verification). A graph replays
-fixed shapes and fixed addresses, so:
+MLP, then sampling the drafts and verifying), plus the few dozen that turn the step's index lists into its attention
+batches; launched one by one from Python, the GPU waits on the host. A CUDA graph records a step's kernels once and
+replays them with one launch. What it records is the runner's whole device step from its uploaded lists
+(`ModelRunner._compute`: building the step's tensors, the forward, draft sampling, verification), so a step costs
+the host one upload, one device copy and one replay. A graph replays fixed shapes and fixed addresses, so:
 
 Owns
-  * `Bucket`: the padded shape of a step — dense requests x query rows x context, sparse drafts x gathered entries,
-    token rows, drafts sampled, checks verified (and their sampling flags). Sizes round up (`round_up`) so that a
-    long generation needs a few dozen graphs, not one per step;
-  * `StaticStep`: the static input tensors of one bucket, an `AttentionContext` pointing at them, and (on CUDA) the
-    graph recorded over them. `load` copies a step's real tensors in and fills the rest with padding that computes
-    harmless finite values: padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`, the
-    first slot of a block never handed to a request), padding queries attend to that slot only, and their outputs
-    land in a padding token row; padding drafts and checks sample that row and write the runner's scratch row;
-  * `StepGraphs.run(input_ids, positions, ctx, readout)`: what the runner calls instead of its `_compute` — pad,
-    replay (or, on a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding
-    logic), and hand back the real checks' results and PillarAttn scores.
+  * the buckets: `StepGraphs.bucket` rounds a step's shape (the runner's `StepShape`: dense requests x query rows x
+    context blocks, sparse drafts x critical positions + window, drafts sampled, checks verified, sampling flags) up
+    (`batch_bucket`, `round_up`) so that a long generation needs a few dozen graphs, not one per step. The runner
+    pads its lists to the bucket (its padding rules: `ModelRunner._lists`);
+  * `StaticStep`: one bucket's static copy of the step's lists and (on CUDA) the graph recorded over them;
+  * `StepGraphs.run(shape, packed, names)`: what the runner calls instead of its `_compute` — copy in, replay (or, on
+    a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding rules);
+    `forget()` drops the graphs when a buffer they read is reallocated.
 
 Steps with a prefill chunk keep the eager path (their query counts vary too much to bucket usefully).
 Must not change what any real token computes: padding only adds rows and masked columns (tests: greedy equality).
@@ -26,14 +24,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from .kv_cache import KVCache
-from .model import CausalLM
-from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
+from .device import Packed
 
 
 def compile_seconds() -> float:
@@ -53,135 +49,30 @@ def batch_bucket(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length() if n <= 8 else round_up(n, 8)
 
 
-@dataclass(frozen=True)
-class Bucket:
-    dense_batch: int             # Bd: requests attending densely (padded)
-    dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
-    dense_context: int           # Lmax: context positions (padded, whole blocks)
-    scores: bool                 # PillarAttn scores wanted
-    sparse_batch: int            # Bs: draft tokens attending sparsely (padded)
-    sparse_width: int            # S: gathered entries per draft (padded)
-    drafts: int                  # Nd: draft tokens sampled (padded)
-    checks: int                  # Bv: verifications (padded)
-    check_drafts: int            # M: drafts per verification (its logit rows: M + 1)
-    sampling: tuple              # the host flags of the drafts' and the checks' sampling
-
-    @property
-    def tokens(self) -> int:
-        """Token rows: every padded dense query, every padded draft, and one more so padding always has a row."""
-        return self.dense_batch * self.dense_queries + self.sparse_batch + 1
-
-    @staticmethod
-    def of(ctx: AttentionContext, readout, context_step: int, width_step: int) -> "Bucket":
-        d, s, r = ctx.dense, ctx.sparse, readout
-        checks = r.check_logit_rows
-        return Bucket(batch_bucket(d.mask.shape[0]) if d else 0, d.mask.shape[1] if d else 0,
-                      round_up(d.mask.shape[2], context_step) if d else 0, bool(d and d.score_weight is not None),
-                      batch_bucket(s.valid.shape[0]) if s else 0, round_up(s.valid.shape[1], width_step) if s else 0,
-                      batch_bucket(r.draft_row.shape[0]) if r.draft_row is not None else 0,
-                      batch_bucket(checks.shape[0]) if checks is not None else 0,
-                      checks.shape[1] - 1 if checks is not None else 0,
-                      tuple((r.draft_flags or {}).items()) + tuple((r.check_flags or {}).items()))
-
-
 class StaticStep:
-    """Static inputs of one bucket, the context and readout that point at them, and the recorded graph (CUDA only).
-    `readout` is the first step's (the runner's `Readout`): the static one copies its host flags."""
+    """One bucket's static inputs (a fixed copy of the step's packed lists, viewed by name) and, on CUDA, the graph
+    of `compute` recorded over them."""
 
-    def __init__(self, bucket: Bucket, model: CausalLM, cache: KVCache, graphs: "StepGraphs", readout):
-        cfg, dev = model.config, cache.device
-        long = dict(dtype=torch.long, device=dev)
-        b = bucket
-        self.bucket, self.graphs = bucket, graphs
-        self.scratch_slot, self.pad_row = cache.scratch_slot, b.tokens - 1
-        self.scratch_index = cache.scratch_slot * cfg.num_kv_heads          # the scratch slot, KV head 0, as a flat index
-        self.input_ids = torch.zeros(b.tokens, **long)                                   # [Tp]
-        self.positions = torch.zeros(b.tokens, **long)                                   # [Tp]
-        self.scratch_block = cache.scratch_block
-        self.ctx = AttentionContext(cache.k, cache.v, torch.zeros(b.tokens, **long), cache.block_size)  # slots [Tp]
-        if b.dense_batch:
-            Bd, Q, L = b.dense_batch, b.dense_queries, b.dense_context
-            self.ctx.dense = DenseBatch(
-                q_index=torch.zeros(Bd, Q, **long), q_valid=torch.zeros(Bd, Q, dtype=torch.bool, device=dev),
-                valid_flat=torch.zeros(Bd * Q, **long), valid_rows=torch.zeros(Bd * Q, **long),
-                block_table=torch.zeros(Bd, L // cache.block_size, **long),
-                mask=torch.zeros(Bd, Q, L, dtype=torch.bool, device=dev), q_start=torch.zeros(Bd, **long))
-            if b.scores:
-                self.ctx.dense.score_weight = torch.zeros(Bd, Q, device=dev)
-                self.ctx.dense.scores = torch.zeros(cfg.num_layers, Bd, cfg.num_kv_heads, L, device=dev)
-        if b.sparse_batch:
-            Bs, S = b.sparse_batch, b.sparse_width
-            self.ctx.sparse = SparseBatch(q_index=torch.zeros(Bs, **long),
-                                          kv_index=torch.zeros(cfg.num_layers, Bs, cfg.num_kv_heads, S, **long),
-                                          valid=torch.zeros(Bs, S, dtype=torch.bool, device=dev))
-        Nd, Bv, M = b.drafts, b.checks, b.check_drafts
-        has_drafts, has_checks = readout.draft_row is not None, readout.check_row is not None
-        self.readout = replace(
-            readout,
-            draft_logit_row=torch.zeros(Nd, **long) if has_drafts else None,                 # [Ndp]
-            draft_row=torch.zeros(Nd, **long) if has_drafts else None,
-            draft_index=torch.zeros(Nd, **long) if has_drafts else None,
-            draft_position=torch.zeros(Nd, **long) if has_drafts else None,
-            check_logit_rows=torch.zeros(Bv, M + 1, **long) if has_checks else None,         # [Bvp, M + 1]
-            check_row=torch.zeros(Bv, **long) if has_checks else None,
-            check_num_drafts=torch.zeros(Bv, **long) if has_checks else None,
-            check_first_position=torch.zeros(Bv, **long) if has_checks else None,
-            ngram_drafts=torch.zeros(Bv, M, **long) if readout.ngram_drafts is not None else None)
+    def __init__(self, shape, packed: Packed, names: list[str], graphs: "StepGraphs"):
+        self.shape, self.names, self.graphs = shape, names, graphs
+        self.inputs = torch.zeros(packed.size(names), dtype=torch.long, device=packed.flat.device)   # [N]
+        self.lists = packed.views(self.inputs, names)                        # name -> a view of `inputs`
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.packed: torch.Tensor | None = None                                          # [Bvp, 3 + M] graph output
+        self.outputs = None                                                  # what the recorded `compute` returned
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, readout) -> None:
-        """Copy one step's tensors in; everything beyond them becomes padding."""
-        pad_row = self.pad_row
-        _put(self.input_ids, input_ids, 0)
-        _put(self.positions, positions, 0)
-        _put(self.ctx.slot_mapping, ctx.slot_mapping, self.scratch_slot)
-        if ctx.dense is not None:
-            d, sd = ctx.dense, self.ctx.dense
-            Bd = d.mask.shape[0]
-            _put(sd.q_index, d.q_index, pad_row)
-            _put(sd.q_valid, d.q_valid, False)
-            # Real query outputs go to their rows; the padding entries copy row 0's output into the padding row.
-            _put(sd.valid_flat, d.valid_flat, 0)
-            _put(sd.valid_rows, d.valid_rows, pad_row)
-            _put(sd.block_table, d.block_table, self.scratch_block)
-            _put(sd.mask, d.mask, False)
-            sd.mask[Bd:, :, 0] = True                           # padding requests see one (scratch) position
-            _put(sd.q_start, d.q_start, 0)                      # (q_start 0, no valid row: the same rule)
-            if sd.score_weight is not None:
-                _put(sd.score_weight, d.score_weight, 0.0)
-        if ctx.sparse is not None:
-            s, ss = ctx.sparse, self.ctx.sparse
-            Bs = s.valid.shape[0]
-            _put(ss.q_index, s.q_index, pad_row)
-            _put(ss.kv_index, s.kv_index, self.scratch_index)
-            _put(ss.valid, s.valid, False)
-            ss.valid[Bs:, 0] = True                             # padding drafts see one (scratch) entry
-        r, sr, scratch_row = readout, self.readout, self.graphs.scratch_row
-        if r.draft_row is not None:                             # padding drafts: sampled from the padding token row,
-            _put(sr.draft_logit_row, r.draft_logit_row, pad_row)                # written to the scratch row
-            _put(sr.draft_row, r.draft_row, scratch_row)
-            _put(sr.draft_index, r.draft_index, 0)
-            _put(sr.draft_position, r.draft_position, 0)
-        if r.check_row is not None:                             # padding checks: no drafts, the same rows
-            _put(sr.check_logit_rows, r.check_logit_rows, pad_row)
-            _put(sr.check_row, r.check_row, scratch_row)
-            _put(sr.check_num_drafts, r.check_num_drafts, 0)
-            _put(sr.check_first_position, r.check_first_position, 0)
-            if sr.ngram_drafts is not None:
-                _put(sr.ngram_drafts, r.ngram_drafts, 0)
-
-    def run(self) -> torch.Tensor:
-        """packed [Bvp, 3 + M] of the loaded step: replay the graph (recording it the first time) or run eagerly."""
-        if self.input_ids.device.type != "cuda":
+    def run(self, packed: Packed):
+        """Copy the step's lists in (one device copy), then replay the graph (recording it the first time); on a
+        CPU run `compute` eagerly on the same padded inputs."""
+        self.inputs.copy_(packed.flat[:self.inputs.shape[0]])
+        if self.inputs.device.type != "cuda":
             return self._compute()
         if self.graph is None:
             self._record()
         self.graph.replay()
-        return self.packed
+        return self.outputs
 
-    def _compute(self) -> torch.Tensor:
-        return self.graphs.compute(self.input_ids, self.positions, self.ctx, self.readout)
+    def _compute(self):
+        return self.graphs.compute(self.shape, self.lists)
 
     def _record(self) -> None:
         # A warm-up run on a side stream first (library handles, workspaces and compiled kernels are created outside
@@ -195,30 +86,34 @@ class StaticStep:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.graphs.memory_pool()):
-            self.packed = self._compute()
+            self.outputs = self._compute()
         torch.cuda.synchronize()
         self.graphs.record_seconds += time.perf_counter() - start
         self.graphs.record_compile_seconds += compile_seconds() - compiled
 
 
-def _put(static: torch.Tensor, real: torch.Tensor, fill) -> None:
-    """static[:real.shape] = real, the rest = fill."""
-    static.fill_(fill)
-    static[tuple(slice(0, n) for n in real.shape)] = real
-
-
 class StepGraphs:
-    """One `StaticStep` per bucket met so far, for one model and one KV pool. `compute(input_ids, positions, ctx,
-    readout) -> packed` is the runner's device step; `scratch_row` the row of its buffers that padding may write."""
+    """One `StaticStep` per bucket met so far. `compute(shape, lists) -> outputs` is the runner's device step (it
+    builds every tensor of the step from the named lists and runs it); `block_size` the KV pool's."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, compute: Callable, scratch_row: int,
-                 context_step: int = 256, width_step: int = 32):
-        self.model, self.cache, self.compute, self.scratch_row = model, cache, compute, scratch_row
-        self.context_step, self.width_step = math.lcm(context_step, cache.block_size), width_step   # whole blocks
-        self.steps: dict[Bucket, StaticStep] = {}
+    def __init__(self, compute: Callable, block_size: int, context_step: int = 256, width_step: int = 32):
+        self.compute = compute
+        self.context_blocks = math.lcm(context_step, block_size) // block_size     # dense context: whole blocks
+        self.context_step, self.width_step = self.context_blocks * block_size, width_step
+        self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
         self._pool = None
         self.record_seconds = 0.0            # wall time spent recording graphs (a one-time start-up cost)
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
+
+    def bucket(self, shape):
+        """The runner's `StepShape` of a step rounded up to its bucket (the step is padded to that)."""
+        s = shape
+        dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
+        return replace(s, tokens=dense_batch * s.dense_queries + sparse_batch + 1, dense_batch=dense_batch,
+                       dense_blocks=round_up(s.dense_blocks, self.context_blocks), sparse_batch=sparse_batch,
+                       selection_width=round_up(s.selection_width, self.width_step), window=batch_bucket(s.window),
+                       lookup_context=round_up(s.lookup_context, self.context_step),
+                       drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks))
 
     def memory_pool(self):
         """One memory pool for all these graphs: steps replay one at a time, so their scratch memory is shared."""
@@ -226,17 +121,16 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, readout) -> torch.Tensor:
-        """packed [Bv, 3 + M] for the step's real checks (valid until the next replay); ctx.dense.scores, when asked
-        for, is filled as eager does."""
-        bucket = Bucket.of(ctx, readout, self.context_step, self.width_step)
-        step = self.steps.get(bucket)
+    def run(self, shape, packed: Packed, names: list[str]):
+        """The outputs of `compute(shape, lists)` for the packed lists of a step padded to `shape` (a bucket):
+        `names` are the lists the step is built from (a leading part of `packed`). Valid until the next replay."""
+        step = self.steps.get(shape)
         if step is None:
-            step = self.steps[bucket] = StaticStep(bucket, self.model, self.cache, self, readout)
-        step.load(input_ids, positions, ctx, readout)
-        packed = step.run()
-        if ctx.dense is not None and ctx.dense.scores is not None:
-            Bd, _, L = ctx.dense.mask.shape
-            ctx.dense.scores = step.ctx.dense.scores[:, :Bd, :, :L]
-        checks = readout.check_row.shape[0] if readout.check_row is not None else 0
-        return packed[:checks]
+            step = self.steps[shape] = StaticStep(shape, packed, names, self)
+        return step.run(packed)
+
+    def forget(self) -> None:
+        """Drop every recorded graph (a buffer they read was reallocated); buckets record again when next met."""
+        if self.steps and torch.cuda.is_available():
+            torch.cuda.synchronize()         # no replay in flight reads what is dropped
+        self.steps.clear()

@@ -3,8 +3,8 @@
 Owns `to_device`: a Python list becomes a tensor on the device through a pinned staging buffer and a non-blocking
 copy. A plain `torch.tensor(data, device="cuda")` waits for the copy, and so for everything queued before it: with
 delayed verification that would make the host wait for the GPU step it wanted to overlap.
-`to_device_packed` sends many integer lists at once: a step needs a few dozen small index lists, and each copy
-costs the host more than its bytes (a tensor from a list, a pinned buffer, a copy launch), so a step sends them as one.
+`Packed` sends many integer lists at once: a step needs a few dozen small index lists, and each copy costs the host
+more than its bytes (a tensor from a list, a pinned buffer, a copy launch), so a step sends them as one.
 Also `common_prefix`, how much of a list mirrored on the device is still current (the rest must be sent again).
 """
 from __future__ import annotations
@@ -21,24 +21,38 @@ def to_device(data, dtype: torch.dtype, device=None) -> torch.Tensor:
     return torch.tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
-def to_device_packed(lists: dict[str, list], device=None) -> dict[str, torch.Tensor]:
-    """Named integer lists -> Long tensors on the device, sent in one copy (each tensor is a view of that copy).
+class Packed:
+    """Named integer lists sent to the device in one copy: `flat` [N] Long on the device, `shapes` (name -> shape,
+    in order) its layout. A value is a flat list of ints ([N]) or a non-empty list of equal-length lists ([N, M])."""
 
-    A value is a flat list of ints ([N]) or a non-empty list of equal-length lists of ints ([N, M])."""
-    flat, shapes = [], {}
-    for name, values in lists.items():
-        if values and isinstance(values[0], (list, tuple)):
-            shapes[name] = (len(values), len(values[0]))
-            for row in values:
-                if len(row) != len(values[0]):
-                    raise ValueError(f"{name}: rows of {len(values[0])} and {len(row)} values")
-                flat += row
-        else:
-            shapes[name] = (len(values),)
-            flat += values
-    parts = to_device(flat, torch.long, device).split([math.prod(shape) for shape in shapes.values()])
-    # one split for all the views (a slice per name cost a few host microseconds each, dozens of names per step)
-    return {name: part if len(shape) == 1 else part.view(shape) for (name, shape), part in zip(shapes.items(), parts)}
+    def __init__(self, lists: dict[str, list], device=None):
+        flat, self.shapes = [], {}
+        for name, values in lists.items():
+            if values and isinstance(values[0], (list, tuple)):
+                self.shapes[name] = (len(values), len(values[0]))
+                for row in values:
+                    if len(row) != len(values[0]):
+                        raise ValueError(f"{name}: rows of {len(values[0])} and {len(row)} values")
+                    flat += row
+            else:
+                self.shapes[name] = (len(values),)
+                flat += values
+        self.flat = to_device(flat, torch.long, device)
+
+    def size(self, names) -> int:
+        """Elements the lists `names` take."""
+        return sum(math.prod(self.shapes[name]) for name in names)
+
+    def views(self, flat: torch.Tensor | None = None, names=None) -> dict[str, torch.Tensor]:
+        """name -> a view of `flat` (default: the sent copy) in this layout. `names`: the first few names only, so
+        that `flat` needs to hold only those (a static copy of the lists whose sizes do not vary)."""
+        names = list(self.shapes) if names is None else list(names)
+        if names != list(self.shapes)[:len(names)]:
+            raise ValueError(f"{names} is not a leading part of the layout {list(self.shapes)}")
+        flat = self.flat if flat is None else flat
+        # one split for all the views (a slice per name cost a few host microseconds each, dozens of names per step)
+        parts = flat[:self.size(names)].split([math.prod(self.shapes[name]) for name in names])
+        return {name: part.view(self.shapes[name]) for name, part in zip(names, parts)}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

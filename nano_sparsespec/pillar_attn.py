@@ -37,10 +37,9 @@ from .device import to_device
 @dataclass
 class DenseBatch:
     """Requests that attend densely this step, padded to Qmax query tokens and Lmax context positions."""
-    q_index: torch.Tensor        # [Bd, Qmax]        row of each query token in the step's flat token list
+    q_index: torch.Tensor        # [Bd, Qmax]        row of each query token in the step's flat token list; padding
+                                 #                   queries read and write the step's padding row (its last)
     q_valid: torch.Tensor        # [Bd, Qmax]  bool  real query (False: padding)
-    valid_flat: torch.Tensor     # [Nq]              real queries' flat index into [Bd * Qmax]
-    valid_rows: torch.Tensor     # [Nq]              ... and their rows in the step (indices, not a mask: no host sync)
     block_table: torch.Tensor    # [Bd, Lmax / block] pool blocks holding each request's context, in order; Lmax is
                                  #                   whole blocks (padding columns: any valid block, masked)
     mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
@@ -94,7 +93,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
             dense_out, _ = dense_attention(queries, gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask)
         else:   # paged kernel: attention reads the pool in place
             dense_out = _kernels["paged"](queries, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
-        out[d.valid_rows] = dense_out.flatten(0, 1)[d.valid_flat]
+        out[d.q_index.flatten()] = dense_out.flatten(0, 1)        # padding queries all land in the padding row
         if d.score_weight is not None:
             d.score_queries[layer] = queries                  # scored with every other layer's, in `finish`
     if ctx.sparse is not None:

@@ -1,10 +1,11 @@
 """Turns one step's plan into tensors, runs the model once, and samples or verifies on the device.
 
 Owns
-  * building the step's flat inputs (`input_ids [T]`, `positions [T]`, `slot_mapping [T]`) and the
-    `AttentionContext` (which requests attend densely, which draft tokens attend sparsely and to which slots). The
-    host first writes every index list the step needs (`_*_lists`), sends them in one copy, then builds the
-    tensors from those on the device;
+  * building the step: the host writes every index list the step needs (`_lists`: token inputs, positions and KV
+    slots, the dense and sparse attention batches, the draft and check rows), each padded to the step's `StepShape`,
+    and sends them in one copy; on the device `_compute` builds the flat inputs (`input_ids [T]`, `positions [T]`,
+    `slot_mapping [T]`) and the `AttentionContext` (which requests attend densely, which draft tokens attend
+    sparsely and to which slots) from those lists;
   * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling; for plain
     decoding that runs ahead, column 0 holds the token of the step in flight), the critical positions each
     request's drafts attend to, each request's sampling parameters (sent once per request), and a mirror of each
@@ -12,8 +13,9 @@ Owns
     from Python lists);
   * after the forward, as its `Readout` says: sampling draft tokens (`verifier.sample_drafts`), and verification
     (`verifier.verify_logits`) for verifying requests and for a request's last prefill chunk (a verification with no
-    drafts). `_compute` (forward + readout) is the whole device step: a padded static step records it as one CUDA
-    graph (cuda_graphs.py), so neither the layers nor the sampling are launched from Python kernel by kernel.
+    drafts). `_compute` (the step's tensors from its lists, forward, readout) is the whole device step: a padded
+    static step records it as one CUDA graph (cuda_graphs.py), so neither the step's index tensors, nor the layers,
+    nor the sampling are launched from Python kernel by kernel.
 Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
 engine can launch step t before it looks at step t-1 (delayed verification).
 
@@ -21,7 +23,7 @@ Must not decide who runs (the scheduler does) or re-implement attention or sampl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +34,55 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
 from .cuda_graphs import StepGraphs
-from .device import common_prefix, to_device, to_device_packed
+from .device import Packed, common_prefix, to_device
 from .scheduler import Sequence, Work
+
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes a step's device tensors are built with: its own (an eager step) or its bucket's (a padded static
+    step: `StepGraphs.bucket` rounds them up). Every list the step sends has these lengths (`ModelRunner._lists`)."""
+    tokens: int                  # T: token rows; the last one is the padding row
+    dense_batch: int             # Bd: requests attending densely
+    dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
+    dense_blocks: int            # Lmax / block_size: context blocks per dense request
+    scores: bool                 # PillarAttn scores wanted
+    sparse_batch: int            # Bs: draft tokens attending sparsely
+    selection_width: int         # Nsel: critical positions gathered per (layer, KV head)
+    window: int                  # W: recent positions gathered (written since the last verification)
+    lookup_context: int          # Lc: verified positions a pillar-lookup draft searches (0 other methods)
+    drafts: int                  # Nd: draft tokens sampled
+    checks: int                  # Bv: verifications and last prefill chunks
+    check_drafts: int            # M: drafts per check (its logit rows: M + 1)
+    draft_flags: tuple           # SamplingTensors.host_flags of the drafts' requests, as items
+    check_flags: tuple           # ... and of the checks' requests
+
+
+@dataclass
+class StepPlan:
+    """A step's works sorted by what they need, each with its first row in the step's flat token list."""
+    works: list[Work]
+    dense: list[tuple[Work, int]] = field(default_factory=list)    # attend to their whole context
+    sparse: list[tuple[Work, int]] = field(default_factory=list)   # draft tokens attending to gathered positions
+    drafts: list[tuple[Work, int]] = field(default_factory=list)   # sample a draft token
+    checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications and last prefill chunks
+    num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
+
+    @staticmethod
+    def of(works: list[Work], method: str) -> "StepPlan":
+        plan, row = StepPlan(works), 0
+        for w in works:
+            if w.kind != "draft" or method == "full":
+                plan.dense.append((w, row))
+            else:
+                plan.sparse.append((w, row))
+            if w.kind == "draft":
+                plan.drafts.append((w, row))
+            if w.kind == "verify" or w.final_prefill:
+                plan.checks.append((w, row))
+                plan.num_drafts.append(w.num_tokens - 1 if w.kind == "verify" else 0)
+            row += w.num_tokens
+        return plan
+
 
 # the named device lists of a step (`launch`) that make up its Readout
 READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position", "check_logit_rows", "check_row",
@@ -102,26 +151,46 @@ class ModelRunner:
         self.device = cache.device
         self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
         rows, k = spec.max_batch, max(spec.stride, 1)
-        # Buffers indexed by request row have one row more, the scratch row: a padded static step's padding drafts
-        # and checks read and write there, never in a request's row.
+        long = dict(dtype=torch.long, device=self.device)
+        # Buffers indexed by request row have one row more, the scratch row: a step's padding (drafts, checks,
+        # dense requests, sparse drafts) reads and writes there, never in a request's row.
         self.scratch_row = rows
-        self.graphs = StepGraphs(model, cache, self._compute, self.scratch_row) if cuda_graphs else None
-        self.draft_tokens = torch.zeros(rows + 1, k, dtype=torch.long, device=self.device)   # [rows + 1, k]
+        self.graphs = StepGraphs(self._compute, cache.block_size) if cuda_graphs else None
+        self.draft_tokens = torch.zeros(rows + 1, k, **long)                                  # [rows + 1, k]
         self.draft_probs: torch.Tensor | None = None                                          # [rows + 1, k, V]
-        self.selection = torch.zeros(rows, self.num_layers, self.n_kv, 0, dtype=torch.long, device=self.device)
-        self.selection_len = [0] * rows                                                   # valid width per row
-        # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
-        self.context_tokens = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [rows, capacity]
-        self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
-        # each row's block table mirrored on the device, so a step sends only the entries that changed
-        self.block_tables = torch.zeros(rows, 0, dtype=torch.long, device=self.device)    # [rows, capacity]
+        # The buffers below are read by recorded graphs, which keep their addresses: one that must grow is
+        # reallocated and the graphs are dropped (`_widen`); the first two are made wide enough not to.
+        max_blocks = -(-cfg.max_position_embeddings // cache.block_size) + 1
+        # each row's block table mirrored on the device, so a step sends only the entries that changed; the scratch
+        # row lists the pool's scratch block only
+        self.block_tables = torch.zeros(rows + 1, max_blocks, **long)                      # [rows + 1, capacity]
+        self.block_tables[self.scratch_row] = cache.scratch_block
         self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * rows                # (seq_id, table as sent)
+        # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
+        lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
+        self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)                # [rows + 1, capacity]
+        self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
+        # the critical positions each row's drafts attend to, in rank order; the first selection_len[row] are real
+        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, 0, **long)     # [rows + 1, L, n_kv, N]
+        self.selection_len = [0] * rows
         # each row's sampling parameters, sent once when a request takes the row
         self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * (rows + 1), [0] * (rows + 1),
                                                              self.device)
         self.params_sent = [-1] * rows                                                    # seq_id holding a row
 
+    def _widen(self, buffer: torch.Tensor, width: int) -> torch.Tensor:
+        """`buffer` [..., w] with room for `width` columns: itself, or a copy twice as wide (new columns zero).
+        A copy has a new address, so recorded graphs, which read the old one, are dropped."""
+        if width <= buffer.shape[-1]:
+            return buffer
+        grown = buffer.new_zeros(*buffer.shape[:-1], max(width, 2 * buffer.shape[-1]))
+        grown[..., :buffer.shape[-1]] = buffer
+        if self.graphs is not None:
+            self.graphs.forget()
+        return grown
+
     # --- critical positions ------------------------------------------------------------------------------------------
+    @torch.inference_mode()   # (a buffer widened by a step is an inference tensor)
     def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
         """Store, for each request, the positions [L, n_kv, n] its next drafts attend to (besides the recent window).
 
@@ -129,31 +198,152 @@ class ModelRunner:
         beyond their row's `selection_len`, where drafts do not read."""
         widths = [p.shape[-1] for p in positions]
         n = max(widths)
-        if n > self.selection.shape[-1]:
-            grown = torch.zeros(*self.selection.shape[:-1], max(n, 2 * self.selection.shape[-1]),
-                                dtype=torch.long, device=self.device)
-            grown[..., :self.selection.shape[-1]] = self.selection
-            self.selection = grown
+        self.selection = self._widen(self.selection, n)
         padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) if p.shape[-1] < n else p for p in positions])
         self.selection[self._dev([s.row for s in seqs]), :, :, :n] = padded        # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
 
+    @torch.inference_mode()   # (a buffer widened by a step is an inference tensor)
     def set_context_tokens(self, seq: Sequence) -> None:
         """Mirror `seq`'s committed tokens into its row of `context_tokens`, sending only the ones not sent yet."""
         owner, sent = self.tokens_sent[seq.row]
         sent = sent if owner == seq.seq_id else 0
         n = len(seq.tokens)
-        if n > self.context_tokens.shape[1]:
-            grown = torch.zeros(self.context_tokens.shape[0], max(n, 2 * self.context_tokens.shape[1]),
-                                dtype=torch.long, device=self.device)
-            grown[:, :self.context_tokens.shape[1]] = self.context_tokens
-            self.context_tokens = grown
+        self.context_tokens = self._widen(self.context_tokens, n)
         if n > sent:
             self.context_tokens[seq.row, sent:n] = self._dev(seq.tokens[sent:n])
         self.tokens_sent[seq.row] = (seq.seq_id, n)
 
-    # --- building the step: host lists first, one copy, then device tensors --------------------------------------
+    # --- the step's shape and lists ----------------------------------------------------------------------------------
+    def _shape(self, plan: StepPlan) -> StepShape:
+        """The step's own sizes (no rounding)."""
+        dense, sparse = [w for w, _ in plan.dense], [w for w, _ in plan.sparse]
+        flags = verifier.SamplingTensors.host_flags
+        return StepShape(
+            tokens=sum(w.num_tokens for w in plan.works) + 1,
+            dense_batch=len(dense), dense_queries=max((w.num_tokens for w in dense), default=0),
+            dense_blocks=-(-max((w.start + w.num_tokens for w in dense), default=0) // self.cache.block_size),
+            scores=self.spec.method in ("pillar", "pillar-lookup") and any(w.kind == "verify" or w.final_prefill
+                                                                           for w in dense),
+            sparse_batch=len(sparse), selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
+            window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),
+            lookup_context=max((w.seq.num_verified for w in sparse), default=0)
+            if self.spec.method == "pillar-lookup" else 0,
+            drafts=len(plan.drafts), checks=len(plan.checks), check_drafts=max(plan.num_drafts, default=0),
+            draft_flags=tuple(flags([w.seq.params for w, _ in plan.drafts]).items()) if plan.drafts else (),
+            check_flags=tuple(flags([w.seq.params for w, _ in plan.checks]).items()) if plan.checks else ())
+
+    def _padding(self, shape: StepShape) -> dict[str, int]:
+        """What each list's padding entries hold. They compute harmless finite values and write only scratch places:
+        padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`); padding queries and
+        padding drafts read the scratch row's block table (the scratch block only) and see position 0 there, the
+        scratch slot; every padding output lands in the padding row (the step's last token row), and padding drafts
+        and checks sample that row and write the runner's scratch row."""
+        pad_row, scratch_row = shape.tokens - 1, self.scratch_row
+        return {"input_ids": 0, "positions": 0, "slots": self.cache.scratch_slot, "feed_from": -1,
+                "dense_first_row": pad_row, "dense_start": 0, "dense_q_len": 0, "dense_row": scratch_row,
+                "score_rows": 0,
+                "sparse_first_row": pad_row, "sparse_row": scratch_row, "sparse_verified": 0, "sparse_n_sel": 0,
+                "sparse_window": 1, "prev_committed": 0, "prev_drafted": 0, "prev_in_context": 0,
+                "draft_logit_row": pad_row, "draft_row": scratch_row, "draft_index": 0, "draft_position": 0,
+                "check_logit_rows": pad_row, "check_row": scratch_row, "check_num_drafts": 0,
+                "check_first_position": 0, "ngram_drafts": 0, "check_dense_index": 0}
+
+    def _lists(self, plan: StepPlan, shape: StepShape) -> dict[str, list]:
+        """Every index list the step's tensors are built from, each padded to its length in `shape`."""
+        groups = [(self._token_lists(plan.works), shape.tokens)]
+        if plan.dense:
+            groups.append((self._dense_lists(plan.dense, shape.scores), shape.dense_batch))
+        if plan.sparse:
+            groups.append((self._sparse_lists(plan.sparse), shape.sparse_batch))
+        if plan.drafts:
+            groups.append((self._draft_lists(plan.drafts), shape.drafts))
+        if plan.checks:
+            groups.append((self._check_lists(plan, shape.scores), shape.checks))
+        padding, lists = self._padding(shape), {}
+        for group, length in groups:
+            for name, values in group.items():
+                fill = padding[name]
+                entry = [fill] * len(values[0]) if isinstance(values[0], list) else fill
+                lists[name] = values + [entry] * (length - len(values))
+        return lists
+
+    def _token_lists(self, works: list[Work]) -> dict[str, list]:
+        """input_ids, positions and KV slots of every token of the step [T]; feed_from: for a token whose input is
+        a draft still on the device, its flat index in the draft buffer [rows + 1, k], else -1."""
+        ids, positions, slots, feed_from = [], [], [], []
+        bs, k = self.cache.block_size, self.draft_tokens.shape[1]
+        for w in works:
+            seq = w.seq
+            pos = range(w.start, w.start + w.num_tokens)
+            if w.kind == "prefill":
+                inputs = seq.tokens[w.start:w.start + w.num_tokens]
+                feed_from += [-1] * w.num_tokens
+            elif self.spec.method == "ngram":
+                inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
+                feed_from += [-1] * w.num_tokens
+            else:  # the pending token, then this cycle's model drafts (fed from the device buffer); a plain step
+                   # that runs ahead starts one past the pending token, on the token in flight (column 0)
+                inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
+                first_draft = seq.num_verified + 1
+                feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1 for p in pos]
+            table = self.cache.pool.tables[seq.seq_id]
+            ids += inputs
+            positions += pos
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+        return {"input_ids": ids, "positions": positions, "slots": slots, "feed_from": feed_from}
+
+    @staticmethod
+    def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
+        lists = {"dense_first_row": [r for _, r in dense], "dense_start": [w.start for w, _ in dense],
+                 "dense_q_len": [w.num_tokens for w, _ in dense], "dense_row": [w.seq.row for w, _ in dense]}
+        if with_scores:
+            # which query rows count in the PillarAttn scores: 1 all real rows (a verification), 2 the last row only
+            # (a last prefill chunk), 0 none (an earlier prefill chunk)
+            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0 for w, _ in dense]
+        return lists
+
+    def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
+        seqs = [w.seq for w, _ in sparse]
+        lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
+                 "sparse_verified": [s.num_verified for s in seqs],
+                 "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
+                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}  # written since verification
+        if self.spec.method == "pillar-lookup":
+            # The token before each draft's input: committed (mirrored in context_tokens, the pending one included)
+            # or one of this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
+            prev = [w.start - 1 for w, _ in sparse]
+            lists["prev_committed"] = [min(p, s.num_verified) for p, s in zip(prev, seqs)]
+            lists["prev_drafted"] = [max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)]
+            lists["prev_in_context"] = [int(p <= s.num_verified) for p, s in zip(prev, seqs)]
+        return lists
+
+    @staticmethod
+    def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
+        return {"draft_logit_row": [r for _, r in drafts], "draft_row": [w.seq.row for w, _ in drafts],
+                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
+                "draft_position": [w.start + 1 for w, _ in drafts]}
+
+    def _check_lists(self, plan: StepPlan, with_scores: bool) -> dict[str, list]:
+        """Verifications and last prefill chunks; with scores, where each sits in the dense batch."""
+        checks, num_drafts = plan.checks, plan.num_drafts
+        m_max = max(num_drafts)
+        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
+        logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
+                      else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
+        lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
+                 "check_num_drafts": num_drafts,
+                 "check_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
+                                          for w, _ in checks]}
+        if self.spec.method == "ngram":
+            lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
+                                     for (w, _), m in zip(checks, num_drafts)]                 # [Bv, M]
+        if with_scores:
+            dense_index = {id(w): i for i, (w, _) in enumerate(plan.dense)}
+            lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
+        return lists
+
     def _table_changes(self, seqs: list[Sequence]) -> list[list[int]]:
         """(row, column, block) entries of the device block tables that differ from the host tables of `seqs`.
 
@@ -171,12 +361,11 @@ class ModelRunner:
         return changes
 
     def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:
-        """Grow the device tables to `width` columns if needed and write `changes` [C, 3] (row, column, block)."""
-        if width > self.block_tables.shape[1]:
-            grown = torch.zeros(self.block_tables.shape[0], max(width, 2 * self.block_tables.shape[1]),
-                                dtype=torch.long, device=self.device)
-            grown[:, :self.block_tables.shape[1]] = self.block_tables
-            self.block_tables = grown
+        """Widen the device tables to `width` columns if needed and write `changes` [C, 3] (row, column, block)."""
+        tables = self._widen(self.block_tables, width)
+        if tables is not self.block_tables:
+            tables[self.scratch_row] = self.cache.scratch_block                 # its new columns too
+            self.block_tables = tables
         if changes is not None:
             row, column, block = changes.unbind(1)
             self.block_tables[row, column] = block
@@ -196,199 +385,122 @@ class ModelRunner:
     def _dev(self, data, dtype=torch.long) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
+    # --- one step ---------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, works: list[Work]) -> StepResult:
+        plan = StepPlan.of(works, self.spec.method)
+        shape = self._shape(plan)
+        static = self.graphs is not None and all(w.kind != "prefill" for w in works)
+        if static:
+            shape = self.graphs.bucket(shape)
+        packed, scores = self._run(plan, shape, static)
+        result = StepResult(works, [w for w, _ in plan.checks], plan.num_drafts, packed, scores)
+        result.start_copy()
+        return result
+
+    def _run(self, plan: StepPlan, shape: StepShape, static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Send the step's lists (one copy), bring the block tables up to date, run the device step (a padded static
+        step when `static`: `shape` is then a bucket) -> the real checks' packed results [Bv, 3 + M] and, when
+        wanted, their PillarAttn scores [L, Bv, n_kv, Lmax]."""
+        seqs = [w.seq for w in plan.works]
+        lists = self._lists(plan, shape)
+        names = list(lists)                      # the lists of fixed length; the table changes come last
+        changes = self._table_changes(seqs)
+        if changes:
+            lists["table_changes"] = changes
+        self._send_sampling_params(seqs)
+        upload = Packed(lists, self.device)
+        dev = upload.views()
+
+        self._apply_table_changes(dev.get("table_changes"), max(shape.dense_blocks, *(
+            len(self.cache.pool.tables[s.seq_id]) for s in seqs)))
+        self.selection = self._widen(self.selection, shape.selection_width)
+        self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
+        if static:
+            packed, scores = self.graphs.run(shape, upload, names)    # valid until the next replay
+        else:
+            packed, scores = self._compute(shape, dev)
+        checks = len(plan.checks)
+        if scores is not None:   # gathered outside the graph: the host reads them after the next step's replay
+            scores = scores[:, dev["check_dense_index"][:checks]]
+        return packed[:checks], scores
+
+    def _compute(self, shape: StepShape, lists: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's device work from its uploaded lists: the step's tensors, the forward, then sampling drafts and
+        verifying. A padded static step records this whole function as one CUDA graph.
+        -> packed results [Bv, 3 + M], and the dense batch's PillarAttn scores [L, Bd, n_kv, Lmax] or None."""
+        feed = lists["feed_from"]                                                       # [T]
+        input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)], lists["input_ids"])
+        ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size)
+        if shape.dense_batch:
+            ctx.dense = self._dense_batch(shape, lists)
+        if shape.sparse_batch:
+            ctx.sparse = self._sparse_batch(shape, lists, input_ids)
+        readout = Readout(**{name: lists.get(name) for name in READOUT_LISTS},
+                          draft_flags=dict(shape.draft_flags), check_flags=dict(shape.check_flags))
+        hidden = self.model(input_ids, lists["positions"], ctx)                         # [T, hidden]
+        if readout.draft_row is not None:
+            self._sample_drafts(hidden, readout)
+        return self._verify(hidden, readout), ctx.dense.scores if ctx.dense is not None else None
+
+    # --- the step's tensors, on the device ---------------------------------------------------------------------------
     def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pool slots of positions [B, ...] of the requests whose padded block tables are `tables` [B, max_blocks]."""
+        """Pool slots of positions [B, ...] of the requests whose block tables are `tables` [B, max_blocks]."""
         bs = self.cache.block_size
         flat = positions.reshape(positions.shape[0], -1)
         block = torch.gather(tables, 1, (flat // bs).clamp(max=tables.shape[1] - 1))
         return (block * bs + flat % bs).view(positions.shape)
 
-    @staticmethod
-    def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
-        q_max = max(w.num_tokens for w, _ in dense)
-        lists = {"dense_first_row": [r for _, r in dense], "dense_start": [w.start for w, _ in dense],
-                 "dense_q_len": [w.num_tokens for w, _ in dense], "dense_row": [w.seq.row for w, _ in dense],
-                 # where the real (non-padding) query rows sit: flat index into [Bd * Qmax], and their rows in the step
-                 "valid_flat": [b * q_max + j for b, (w, _) in enumerate(dense) for j in range(w.num_tokens)],
-                 "valid_rows": [r + j for w, r in dense for j in range(w.num_tokens)]}
-        if with_scores:
-            # which query rows count in the PillarAttn scores: 1 all real rows (a verification), 2 the last row only
-            # (a last prefill chunk), 0 none (an earlier prefill chunk)
-            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0 for w, _ in dense]
-        return lists
-
-    def _dense_batch(self, dense: list[Work], dev: dict[str, torch.Tensor]) -> DenseBatch:
-        q_max, ctx_max = max(w.num_tokens for w in dense), max(w.start + w.num_tokens for w in dense)
+    def _dense_batch(self, shape: StepShape, dev: dict[str, torch.Tensor]) -> DenseBatch:
+        Q, L = shape.dense_queries, shape.dense_blocks * self.cache.block_size
         starts, q_lens = dev["dense_start"], dev["dense_q_len"]                        # [Bd]
-        qi = torch.arange(q_max, device=self.device)
+        qi = torch.arange(Q, device=self.device)
         q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
-        q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, 0)
-        num_blocks = -(-ctx_max // self.cache.block_size)
-        kv_pos = torch.arange(num_blocks * self.cache.block_size, device=self.device).expand(len(dense), -1)  # [Bd, Lmax]
-        q_pos = starts[:, None] + qi                                                    # [Bd, Qmax]
-        mask = kv_pos[:, None, :] <= q_pos[:, :, None]                                  # causal, [Bd, Qmax, Lmax]
-        mask &= q_valid[:, :, None] | (kv_pos[:, None, :] == 0)                         # padding rows see position 0
-        block_table = self.block_tables[dev["dense_row"], :num_blocks]                  # [Bd, Lmax / block]
-        batch = DenseBatch(q_index, q_valid, dev["valid_flat"], dev["valid_rows"], block_table, mask, starts)
-        if "score_rows" in dev:
+        q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)   # padding: the pad row
+        kv_pos = torch.arange(L, device=self.device)[None, None, :]                     # [1, 1, Lmax]
+        q_pos = (starts[:, None] + qi)[:, :, None]                                      # [Bd, Qmax, 1]
+        mask = (kv_pos <= q_pos) & (q_valid[:, :, None] | (kv_pos == 0))                # causal; padding sees 0
+        block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]          # [Bd, Lmax / block]
+        batch = DenseBatch(q_index, q_valid, block_table, mask, starts)
+        if shape.scores:
             rule = dev["score_rows"][:, None]                                           # [Bd, 1]
             rows = q_valid & ((rule == 1) | ((rule == 2) & (qi[None, :] == (q_lens - 1)[:, None])))
             batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
-            batch.scores = torch.zeros(self.num_layers, len(dense), self.n_kv, kv_pos.shape[1], device=self.device)
+            batch.scores = torch.zeros(self.num_layers, shape.dense_batch, self.n_kv, L, device=self.device)
         return batch
 
-    def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
-        seqs = [w.seq for w, _ in sparse]
-        lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
-                 "sparse_verified": [s.num_verified for s in seqs],
-                 "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
-                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}  # written since verification
-        if self.spec.method == "pillar-lookup":
-            # The token before each draft's input: committed (mirrored in context_tokens, the pending one included)
-            # or one of this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
-            prev = [w.start - 1 for w, _ in sparse]
-            lists["prev_committed"] = [min(p, s.num_verified) for p, s in zip(prev, seqs)]
-            lists["prev_drafted"] = [max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)]
-            lists["prev_in_context"] = [int(p <= s.num_verified) for p, s in zip(prev, seqs)]
-        return lists
-
-    def _sparse_batch(self, drafts: list[Work], dev: dict[str, torch.Tensor], input_ids: torch.Tensor) -> SparseBatch:
-        seqs = [w.seq for w in drafts]
-        sel_max = max(self.selection_len[s.row] for s in seqs)
-        win_max = max(w.start - w.seq.num_verified + 1 for w in drafts)
-        width = max(len(self.cache.pool.tables[s.seq_id]) for s in seqs)
+    def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor], input_ids: torch.Tensor) -> SparseBatch:
         rows, verified, n_sel = dev["sparse_row"], dev["sparse_verified"], dev["sparse_n_sel"]   # [Bs]
-        tables = self.block_tables[rows, :width]                                        # [Bs, blocks]
-        sel_pos = self.selection[rows, :, :, :sel_max]                                  # [Bs, L, n_kv, Nsel]
-        sel_valid = torch.arange(sel_max, device=self.device)[None] < n_sel[:, None]   # [Bs, Nsel]
+        Nsel, W = shape.selection_width, shape.window
+        tables = self.block_tables[rows]                                                # [Bs, capacity]
+        sel_pos = self.selection[rows, :, :, :Nsel]                                     # [Bs, L, n_kv, Nsel]
+        sel_valid = torch.arange(Nsel, device=self.device)[None] < n_sel[:, None]      # [Bs, Nsel]
         if self.spec.method == "pillar-lookup":
             # Refreshed at every draft step: positions found from this draft's input token replace the lowest-ranked
             # critical positions of each (layer, KV head); the count stays the budget.
             # Same width and count as the selection (sel_valid holds): the step gathers B + window entries.
-            lookup, lookup_valid = self._lookups(seqs, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
+            lookup, lookup_valid = self._lookups(shape, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
             sel_pos = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)     # [Bs, L, n_kv, Nsel]
-        win_pos = verified[:, None] + torch.arange(win_max, device=self.device)         # [Bs, W]
+        win_pos = verified[:, None] + torch.arange(W, device=self.device)               # [Bs, W]
         sel_slots = self._slots(tables, sel_pos)                                        # [Bs, L, n_kv, Nsel]
         win_slots = self._slots(tables, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
         slots = torch.cat([sel_slots, win_slots], dim=-1)                               # [Bs, L, n_kv, S]
         heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
         kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()         # [L, Bs, n_kv, S]
-        win_valid = torch.arange(win_max, device=self.device)[None] < dev["sparse_window"][:, None]
+        win_valid = torch.arange(W, device=self.device)[None] < dev["sparse_window"][:, None]
         valid = torch.cat([sel_valid, win_valid], dim=1)                                # [Bs, S]
         return SparseBatch(dev["sparse_first_row"], kv_index, valid)
 
-    def _lookups(self, seqs: list[Sequence], dev: dict[str, torch.Tensor], tokens: torch.Tensor):
+    def _lookups(self, shape: StepShape, dev: dict[str, torch.Tensor], tokens: torch.Tensor):
         """pillar-lookup: the positions each draft's input token `tokens` [Bs] finds in its verified context."""
         rows, verified = dev["sparse_row"], dev["sparse_verified"]
         committed = self.context_tokens[rows, dev["prev_committed"]]
         drafted = self.draft_tokens[rows, dev["prev_drafted"]]
-        context_tokens = self.context_tokens[rows, :max(s.num_verified for s in seqs)]              # [Bs, Lc]
+        context_tokens = self.context_tokens[rows, :shape.lookup_context]                          # [Bs, Lc]
         return pillar_attn.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
                                             torch.where(dev["prev_in_context"] != 0, committed, drafted))
 
-    # --- one step ---------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def launch(self, works: list[Work]) -> StepResult:
-        method = self.spec.method
-        first_row, num_rows = [], 0                 # each work's first row in the step's flat token list
-        for w in works:
-            first_row.append(num_rows)
-            num_rows += w.num_tokens
-        placed = list(zip(works, first_row))
-        dense = [(w, r) for w, r in placed if w.kind != "draft" or method == "full"]
-        sparse = [(w, r) for w, r in placed if w.kind == "draft" and method != "full"]
-        drafts = [(w, r) for w, r in placed if w.kind == "draft"]
-        checks = [(w, r) for w, r in placed if w.kind == "verify" or w.final_prefill]
-        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]   # drafts each check checks
-        wants_scores = method in ("pillar", "pillar-lookup")
-
-        # Everything the host knows about the step, as named integer lists; then one copy to the device.
-        seqs = [w.seq for w in works]
-        lists = self._token_lists(works)
-        changes = self._table_changes(seqs)
-        if changes:
-            lists["table_changes"] = changes
-        if dense:
-            lists |= self._dense_lists(dense, wants_scores and any(w.kind == "verify" or w.final_prefill
-                                                                   for w, _ in dense))
-        if sparse:
-            lists |= self._sparse_lists(sparse)
-        if drafts:
-            lists |= self._draft_lists(drafts)
-        if checks:
-            lists |= self._check_lists(checks, num_drafts, dense if wants_scores else None)
-        self._send_sampling_params(seqs)
-        dev = to_device_packed(lists, self.device)
-
-        self._apply_table_changes(dev.get("table_changes"), max(len(self.cache.pool.tables[s.seq_id]) for s in seqs))
-        input_ids = dev["input_ids"]                                                    # [T]
-        if "feed_at" in dev:       # inputs that are this cycle's drafts, still on the device only
-            input_ids[dev["feed_at"]] = self.draft_tokens[dev["feed_row"], dev["feed_column"]]
-        ctx = AttentionContext(self.cache.k, self.cache.v, dev["slots"], self.cache.block_size)
-        if dense:
-            ctx.dense = self._dense_batch([w for w, _ in dense], dev)
-        if sparse:
-            ctx.sparse = self._sparse_batch([w for w, _ in sparse], dev, input_ids)
-        readout = Readout(**{name: dev.get(name) for name in READOUT_LISTS})
-        if drafts:
-            readout.draft_flags = verifier.SamplingTensors.host_flags([w.seq.params for w, _ in drafts])
-        if checks:
-            readout.check_flags = verifier.SamplingTensors.host_flags([w.seq.params for w, _ in checks])
-        if self.graphs is not None and all(w.kind != "prefill" for w in works):
-            packed = self.graphs.run(input_ids, dev["positions"], ctx, readout)     # one padded static step
-        else:
-            packed = self._compute(input_ids, dev["positions"], ctx, readout)
-        result = StepResult(works, [w for w, _ in checks], num_drafts, packed)
-        if wants_scores and checks:
-            result.scores = ctx.dense.scores[:, dev["check_dense_index"]]
-        result.start_copy()
-        return result
-
-    def _compute(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                 readout: Readout) -> torch.Tensor:
-        """The step's device work once its inputs are built: the forward, then sampling drafts and verifying.
-        A padded static step records this whole function as one CUDA graph. -> packed results [Bv, 3 + M]."""
-        hidden = self.model(input_ids, positions, ctx)                              # [T, hidden]
-        if readout.draft_row is not None:
-            self._sample_drafts(hidden, readout)
-        return self._verify(hidden, readout)
-
-    def _token_lists(self, works: list[Work]) -> dict[str, list]:
-        """input_ids, positions and KV slots of every token of the step [T]; where inputs come from the draft buffer."""
-        ids, positions, slots = [], [], []
-        feed_at, feed_row, feed_column = [], [], []     # flat rows whose input is a draft token still on the device
-        bs = self.cache.block_size
-        for w in works:
-            seq = w.seq
-            pos = range(w.start, w.start + w.num_tokens)
-            if w.kind == "prefill":
-                inputs = seq.tokens[w.start:w.start + w.num_tokens]
-            elif self.spec.method == "ngram":
-                inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
-            else:  # the pending token, then this cycle's model drafts (fed from the device buffer); a plain step
-                   # that runs ahead starts one past the pending token, on the token in flight (column 0)
-                inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
-                first_draft = seq.num_verified + 1
-                for j, p in enumerate(pos):
-                    if p >= first_draft:
-                        feed_at.append(len(ids) + j)
-                        feed_row.append(seq.row)
-                        feed_column.append(p - first_draft)
-            table = self.cache.pool.tables[seq.seq_id]
-            ids += inputs
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-        lists = {"input_ids": ids, "positions": positions, "slots": slots}
-        if feed_at:
-            lists |= {"feed_at": feed_at, "feed_row": feed_row, "feed_column": feed_column}
-        return lists
-
-    @staticmethod
-    def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
-        return {"draft_logit_row": [r for _, r in drafts], "draft_row": [w.seq.row for w, _ in drafts],
-                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
-                "draft_position": [w.start + 1 for w, _ in drafts]}
-
+    # --- the readout -------------------------------------------------------------------------------------------------
     def _sample_drafts(self, hidden: torch.Tensor, r: Readout) -> None:
         logits = self.model.logits(hidden[r.draft_logit_row])                          # [Nd, V]
         st = self.sampling.select(r.draft_row, r.draft_flags)
@@ -398,25 +510,6 @@ class ModelRunner:
             if self.draft_probs is None:   # (a graph's first, eager run allocates it: never inside a recording)
                 self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=self.device)
             self.draft_probs[r.draft_row, r.draft_index] = probs
-
-    def _check_lists(self, checks: list[tuple[Work, int]], num_drafts: list[int],
-                     dense: list[tuple[Work, int]] | None) -> dict[str, list]:
-        """Verifications and last prefill chunks; `dense` (when scores are wanted): the step's dense works."""
-        m_max = max(num_drafts)
-        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
-        logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
-                      else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
-        lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
-                 "check_num_drafts": num_drafts,
-                 "check_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
-                                          for w, _ in checks]}
-        if self.spec.method == "ngram":
-            lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
-                                     for (w, _), m in zip(checks, num_drafts)]                 # [Bv, M]
-        if dense is not None:
-            dense_index = {id(w): i for i, (w, _) in enumerate(dense)}
-            lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
-        return lists
 
     def _verify(self, hidden: torch.Tensor, r: Readout) -> torch.Tensor:
         """Verify the step's checks -> packed [Bv, 3 + M] (see `StepResult.packed`)."""

@@ -11,7 +11,8 @@ import torch
 
 from conftest import GREEDY
 from nano_sparsespec import LLM, SamplingParams, pillar_attn
-from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
+from nano_sparsespec.cuda_graphs import batch_bucket, round_up
+from nano_sparsespec.runner import ModelRunner
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -41,27 +42,32 @@ def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, 
 
 
 def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypatch):
-    """Every padded step (forward, draft sampling, verification) against the eager `_compute` of the same step: the
-    same verification results and drafts, PillarAttn scores within rounding."""
+    """Every padded step (its tensors built from padded lists, forward, draft sampling, verification) against the
+    eager step of the same plan at its own shape: the same verification results and drafts, PillarAttn scores
+    within rounding."""
     worst = {"scores": 0.0, "steps": 0, "drafts": 0}
-    padded_run = StepGraphs.run
+    run = ModelRunner._run
 
-    def both(self, input_ids, positions, ctx, readout):
-        runner = self.compute.__self__
+    def both(self, plan, shape, static):
+        if not static:
+            return run(self, plan, shape, static)
         # the eager step writes the same K/V and drafts that the padded step then writes again
-        eager = self.compute(input_ids, positions, ctx, readout)
-        eager_drafts = runner.draft_tokens.clone()
-        eager_scores = None if ctx.dense is None or ctx.dense.scores is None else ctx.dense.scores.clone()
-        packed = padded_run(self, input_ids, positions, ctx, readout)
+        eager, eager_scores = run(self, plan, self._shape(plan), False)
+        eager, eager_drafts = eager.clone(), self.draft_tokens.clone()
+        eager_scores = None if eager_scores is None else eager_scores.clone()
+        packed, scores = run(self, plan, shape, True)
         assert torch.equal(packed, eager)
-        assert torch.equal(runner.draft_tokens[:-1], eager_drafts[:-1])      # all but the scratch row
-        if eager_scores is not None:
-            worst["scores"] = max(worst["scores"], (ctx.dense.scores - eager_scores).abs().max().item())
+        assert torch.equal(self.draft_tokens[:-1], eager_drafts[:-1])      # all but the scratch row
+        assert (scores is None) == (eager_scores is None)
+        if scores is not None:
+            L = eager_scores.shape[-1]
+            assert not scores[..., L:].any()                                   # padding columns score 0
+            worst["scores"] = max(worst["scores"], (scores[..., :L] - eager_scores).abs().max().item())
         worst["steps"] += 1
-        worst["drafts"] += 0 if readout.draft_row is None else readout.draft_row.shape[0]
-        return packed
+        worst["drafts"] += len(plan.drafts)
+        return packed, scores
 
-    monkeypatch.setattr(StepGraphs, "run", both)
+    monkeypatch.setattr(ModelRunner, "_run", both)
     params = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
     generate(tiny_qwen3[0], prompts, params, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
              budget_ratio=0.1, batch_policy="balanced", max_batch=5)

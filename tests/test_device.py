@@ -3,22 +3,34 @@ import pytest
 import torch
 
 from nano_sparsespec.config import SamplingParams
-from nano_sparsespec.device import to_device_packed
+from nano_sparsespec.device import Packed
 from nano_sparsespec.verifier import SamplingTensors
 
 
 def test_packed_lists_come_back_as_named_tensors_of_their_shapes():
-    got = to_device_packed({"ids": [5, 6, 7], "rows": [[1, 2], [3, 4]], "empty": [], "zero_width": [[], []]})
+    packed = Packed({"ids": [5, 6, 7], "rows": [[1, 2], [3, 4]], "empty": [], "zero_width": [[], []]})
+    got = packed.views()
     assert got["ids"].tolist() == [5, 6, 7] and got["ids"].dtype == torch.long
     assert got["rows"].tolist() == [[1, 2], [3, 4]]
     assert got["empty"].shape == (0,) and got["zero_width"].shape == (2, 0)
     got["ids"][0] = 9                                   # views of one copy: writing one leaves the others alone
     assert got["rows"].tolist() == [[1, 2], [3, 4]]
+    assert packed.flat.tolist() == [9, 6, 7, 1, 2, 3, 4]
+
+
+def test_a_static_copy_holds_a_leading_part_of_the_layout():
+    packed = Packed({"ids": [5, 6], "rows": [[1, 2]], "changes": [7, 8, 9]})
+    static = torch.zeros(packed.size(["ids", "rows"]), dtype=torch.long)
+    static.copy_(packed.flat[:static.shape[0]])
+    got = packed.views(static, ["ids", "rows"])
+    assert list(got) == ["ids", "rows"] and got["rows"].tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="not a leading part"):
+        packed.views(static, ["rows"])
 
 
 def test_packed_lists_reject_ragged_rows_by_name():
     with pytest.raises(ValueError, match="logit_rows: rows of 2 and 3 values"):
-        to_device_packed({"logit_rows": [[1, 2], [3, 4, 5]]})
+        Packed({"logit_rows": [[1, 2], [3, 4, 5]]})
 
 
 def test_selected_sampling_rows_take_their_flags_from_their_own_requests():

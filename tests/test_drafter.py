@@ -165,10 +165,9 @@ def test_lookup_keeps_the_draft_cost(tiny_qwen3, prompts, plain_greedy, monkeypa
     checked = []
     original = ModelRunner._sparse_batch
 
-    def sparse_batch(self, drafts, dev, input_ids):
-        batch = original(self, drafts, dev, input_ids)
-        budget = [self.selection_len[w.seq.row] for w in drafts]
-        window = [w.start - w.seq.num_verified + 1 for w in drafts]
+    def sparse_batch(self, shape, dev, input_ids):
+        batch = original(self, shape, dev, input_ids)
+        budget, window = dev["sparse_n_sel"].tolist(), dev["sparse_window"].tolist()
         checked.append((batch.valid.shape[1], batch.valid.sum(1).tolist()) ==
                        (max(budget) + max(window), [b + w for b, w in zip(budget, window)]))
         return batch

@@ -200,12 +200,13 @@ def test_attend_without_context_is_causal_attention():
 
 @pytest.mark.parametrize("paged", [False, True], ids=["gather+sdpa", "paged"])
 def test_attend_with_context_writes_cache_and_routes_rows(paged):
-    """One step, tokens flattened as [A0, S0, A1, C0, A2] (dense rows by gather + SDPA, or paged: flex_attention
+    """One step, tokens flattened as [A0, S0, A1, C0, A2, pad] (dense rows by gather + SDPA, or paged: flex_attention
     over the pool through a block mask, scores from its logsumexp; the uncompiled reference of the GPU kernels):
     A: dense, 3 new tokens at positions 2..4 after 2 cached ones (prefill chunk / verification), with scores;
     C: dense, 1 new token at position 3 after 3 cached ones (plain decode);
     S: sparse draft token at position 6 of a context whose positions 0..5 are cached, attending to {0, 2, 6} on KV
-       head 0 and {1, 5, 6} on KV head 1."""
+       head 0 and {1, 5, 6} on KV head 1;
+    pad: the padding row, where C's padding queries read and write (its K/V go to a slot no request uses)."""
     g = torch.Generator().manual_seed(6)
     Lyr, slots, layer = 2, 40, 1
     k_cache = torch.randn(Lyr, slots, N_KV, D, generator=g)
@@ -217,18 +218,19 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     slots_A = torch.tensor([10, 11, 12, 13, 20])
     slots_C = torch.tensor([30, 31, 4, 5])
     slots_S = torch.tensor([0, 1, 2, 3, 25, 26, 27])
-    T = 5
+    T = 6
     q = torch.randn(T, H, D, generator=g)
     k = torch.randn(T, N_KV, D, generator=g)
     v = torch.randn(T, N_KV, D, generator=g)
-    rows_A, row_S, row_C = [0, 2, 4], 1, 3
+    rows_A, row_S, row_C, pad_row = [0, 2, 4], 1, 3, 5
     slot_mapping = torch.empty(T, dtype=torch.long)
     slot_mapping[rows_A] = slots_A[2:]
     slot_mapping[row_S] = slots_S[6]
     slot_mapping[row_C] = slots_C[3]
+    slot_mapping[pad_row] = 39
 
     # dense batch: A (3 queries, context 5) and C (1 query, context 4), Qmax 3, Lmax 6 (three whole blocks)
-    q_index = torch.tensor([[0, 2, 4], [3, 0, 0]])
+    q_index = torch.tensor([[0, 2, 4], [3, pad_row, pad_row]])
     q_valid = torch.tensor([[True, True, True], [True, False, False]])
     block_table = torch.stack([table_A, torch.cat([table_C, table_C[:1]])])          # C padded with a valid block
     q_pos = torch.tensor([[2, 3, 4], [3, 0, 0]])
@@ -236,9 +238,7 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
     mask &= q_valid[:, :, None] | (kv_pos[None, None, :] == 0)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
-    valid_flat = q_valid.flatten().nonzero().flatten()           # real queries in the padded [Bd * Qmax] layout
-    valid_rows = q_index.flatten()[valid_flat]
-    dense = DenseBatch(q_index, q_valid, valid_flat, valid_rows, block_table, mask, q_start=q_pos[:, 0],
+    dense = DenseBatch(q_index, q_valid, block_table, mask, q_start=q_pos[:, 0],
                        score_weight=weight, scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
@@ -307,7 +307,7 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
-    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), pos, pos, blocks[None],
+    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), blocks[None],
                        (pos[None, :] <= pos[:, None])[None], q_start=pos[:1])
     ctx = AttentionContext(k_cache, v_cache, slots, 1, dense=dense)                  # blocks of one slot
     with torch.inference_mode():
@@ -340,7 +340,7 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
     def scores_with(chunk_bytes):
         monkeypatch.setattr(pa, "SCORE_CHUNK_BYTES", chunk_bytes)
         k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
-        dense = DenseBatch(q_index, q_valid, pos, pos, torch.tensor([[1, 2], [3, 0]]), mask, q_start=torch.zeros(2),
+        dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), mask, q_start=torch.zeros(2),
                            score_weight=weight, scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
         slots = torch.tensor([4, 5, 6, 12, 13, 14])
         ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense)

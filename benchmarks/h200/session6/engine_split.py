@@ -20,6 +20,9 @@ random: runs of one mode differed in acceptance and in their number of steps, e.
 pillar-async in session 9's calls 7 and 11).
 Session 10: a static step's graph holds draft sampling and verification too (`ModelRunner._compute`), so they are
 no longer timed apart: they are part of "replay" (recording left out) or, in steps with a prefill chunk, of that line.
+Session 11: a static step's graph also builds the step's tensors from its uploaded lists (the dense and sparse
+batches), and the lists come padded to the bucket: "padded lists" holds the list lines below it, "replay" the one
+device copy of the lists into the static step.
 """
 import argparse
 import collections
@@ -29,8 +32,8 @@ import time
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.async_loop import Engine
 from nano_sparsespec.bench import DEFAULT_PROMPTS, compile_seconds, load_workload
-from nano_sparsespec import runner
 from nano_sparsespec.cuda_graphs import StaticStep, StepGraphs
+from nano_sparsespec.device import Packed
 from nano_sparsespec.runner import ModelRunner, StepResult
 from nano_sparsespec.scheduler import Scheduler
 
@@ -41,18 +44,17 @@ MODES = {"plain": dict(method="plain"),
 # (class, method, label); nested ones are parts of the one above them
 TIMED = [(Scheduler, "schedule", "schedule"),
          (ModelRunner, "launch", "launch"),
-         # session 8: the parts of building a step (host lists, the one copy, device tensors)
-         (ModelRunner, "_token_lists", "  token lists"),
-         (ModelRunner, "_dense_lists", "  dense lists"),
-         (ModelRunner, "_sparse_lists", "  sparse lists"),
-         (ModelRunner, "_check_lists", "  check lists"),
+         # the parts of building a step (session 8; session 11: padded lists, the one copy, the device step)
+         (ModelRunner, "_lists", "  padded lists"),
+         (ModelRunner, "_token_lists", "    token lists"),
+         (ModelRunner, "_dense_lists", "    dense lists"),
+         (ModelRunner, "_sparse_lists", "    sparse lists"),
+         (ModelRunner, "_check_lists", "    check lists"),
          (ModelRunner, "_table_changes", "  block-table changes"),
          (ModelRunner, "_send_sampling_params", "  sampling parameters"),
-         (runner, "to_device_packed", "  the one copy"),
-         (ModelRunner, "_dense_batch", "  dense batch tensors"),
-         (ModelRunner, "_sparse_batch", "  sparse batch tensors"),
-         (StepGraphs, "run", "  device step (copy inputs, replay)"),
-         (StaticStep, "load", "    copy inputs into the static step"),
+         (Packed, "__init__", "  the one copy"),
+         (ModelRunner, "_apply_table_changes", "  write the block-table changes"),
+         (StepGraphs, "run", "  device step (static: copy the lists in, replay)"),
          (StaticStep, "run", "    replay"),
          (StepResult, "start_copy", "  queue the result copy"),
          (Engine, "_process", "process"),
@@ -115,7 +117,7 @@ def main():
         compiled = compile_seconds() - compiled
         stats = llm.last_stats
         recording = stats.graph_record_seconds                  # one-time, inside the forward: left out
-        for label in ("launch", "  device step (copy inputs, replay)", "    replay"):
+        for label in ("launch", "  device step (static: copy the lists in, replay)", "    replay"):
             totals[label] -= recording
         per_step = 1e3 / stats.steps
         print(f"{mode}: {stats.output_tokens / (stats.seconds - recording):.0f} tok/s, {stats.steps} steps, "
