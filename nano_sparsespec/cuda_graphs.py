@@ -57,14 +57,18 @@ class StaticStep:
         self.shape, self.names, self.graphs = shape, names, graphs
         self.inputs = torch.zeros(packed.size(names), dtype=torch.long, device=packed.flat.device)   # [N]
         self.lists = packed.views(self.inputs, names)                        # name -> a view of `inputs`
+        self.warmed_up = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None                                                  # what the recorded `compute` returned
 
     def run(self, packed: Packed):
         """Copy the step's lists in (one device copy), then replay the graph (recording it the first time); on a
-        CPU run `compute` eagerly on the same padded inputs."""
+        CPU run `compute` eagerly on the same padded inputs, after the same warm-up run a recording makes first
+        (so that the CPU tests check what a recording relies on)."""
         self.inputs.copy_(packed.flat[:self.inputs.shape[0]])
         if self.inputs.device.type != "cuda":
+            if not self.warmed_up:
+                self._warm_up()
             return self._compute()
         if self.graph is None:
             self._record()
@@ -74,15 +78,23 @@ class StaticStep:
     def _compute(self):
         return self.graphs.compute(self.shape, self.lists)
 
+    def _warm_up(self) -> None:
+        """Compute the loaded step once before recording it (library handles, workspaces and compiled kernels are
+        created outside the capture). What it writes (K/V, drafts) the real run writes again; the state a step reads
+        and rewrites (`StepGraphs.state`) is put back, so that the real run reads what this one read."""
+        saved = [t.clone() for t in self.graphs.state]
+        self._compute()
+        for t, before in zip(self.graphs.state, saved):
+            t.copy_(before)
+        self.warmed_up = True
+
     def _record(self) -> None:
-        # A warm-up run on a side stream first (library handles, workspaces and compiled kernels are created outside
-        # the capture). It computes the loaded step itself, so what it writes (K/V, drafts) the replay writes again.
         torch.cuda.synchronize()
         start, compiled = time.perf_counter(), compile_seconds()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._compute()
+            self._warm_up()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.graphs.memory_pool()):
@@ -94,10 +106,13 @@ class StaticStep:
 
 class StepGraphs:
     """One `StaticStep` per bucket met so far. `compute(shape, lists) -> outputs` is the runner's device step (it
-    builds every tensor of the step from the named lists and runs it); `block_size` the KV pool's."""
+    builds every tensor of the step from the named lists and runs it); `block_size` the KV pool's; `state` the
+    tensors a step may read and then rewrite (the runner's draft tokens: a plain step that runs ahead reads the
+    token in flight and writes its own in the same place)."""
 
-    def __init__(self, compute: Callable, block_size: int, context_step: int = 256, width_step: int = 32):
-        self.compute = compute
+    def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], context_step: int = 256,
+                 width_step: int = 32):
+        self.compute, self.state = compute, state
         self.context_blocks = math.lcm(context_step, block_size) // block_size     # dense context: whole blocks
         self.context_step, self.width_step = self.context_blocks * block_size, width_step
         self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
@@ -134,3 +149,4 @@ class StepGraphs:
         if self.steps and torch.cuda.is_available():
             torch.cuda.synchronize()         # no replay in flight reads what is dropped
         self.steps.clear()
+        self._pool = None                    # a pool that no graph holds is released: the next ones take a new one

@@ -155,8 +155,8 @@ class ModelRunner:
         # Buffers indexed by request row have one row more, the scratch row: a step's padding (drafts, checks,
         # dense requests, sparse drafts) reads and writes there, never in a request's row.
         self.scratch_row = rows
-        self.graphs = StepGraphs(self._compute, cache.block_size) if cuda_graphs else None
         self.draft_tokens = torch.zeros(rows + 1, k, **long)                                  # [rows + 1, k]
+        self.graphs = StepGraphs(self._compute, cache.block_size, [self.draft_tokens]) if cuda_graphs else None
         self.draft_probs: torch.Tensor | None = None                                          # [rows + 1, k, V]
         # The buffers below are read by recorded graphs, which keep their addresses: one that must grow is
         # reallocated and the graphs are dropped (`_widen`); the first two are made wide enough not to.

@@ -1,6 +1,8 @@
 """cuda_graphs.py: bucket sizes, and decoding through padded static steps (what a CUDA graph replays) is lossless:
 every drafter's greedy output equals plain greedy decoding on the same path. On a CPU the padded steps run eagerly,
-which checks every padding rule; on a GPU they are recorded and replayed as CUDA graphs.
+which checks every padding rule, each bucket's first step after the warm-up run a recording makes (plain decoding
+that runs ahead fails if that run's writes leak into the real one); on a GPU they are recorded and replayed as CUDA
+graphs.
 
 Why "on the same path": padding changes the shapes of the matrix products (a 1-row product becomes a 2-row one),
 and BLAS may round those differently in the last bit (measured: ~1e-6 in hidden states, fp32). Greedy equality is
