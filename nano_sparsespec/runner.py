@@ -37,6 +37,7 @@ from .cuda_graphs import StepGraphs
 from .device import Packed, common_prefix, to_device
 from .scheduler import Sequence, Work
 
+
 @dataclass(frozen=True)
 class StepShape:
     """The sizes a step's device tensors are built with: its own (an eager step) or its bucket's (a padded static

@@ -35,9 +35,10 @@ tools, and says how to read their numbers and where to run them for real. Number
    weights and per-step overheads, so speculation loses here, exactly as tutorials 00 and 01 predict: its gains live
    on a GPU at long context.
 
-4. On a GPU: the same commands with --device cuda --dtype bfloat16 (plus --compile for torch.compile'd attention
-   kernels); a bench run at batch 64 and 2048 new tokens; and `--profile-steps`, which times one plain, one draft and
-   one verification step at given batch x context shapes.
+4. On a GPU: the same commands with --device cuda --dtype bfloat16, plus --cuda-graphs --compile (the fast GPU
+   path: compiled kernels, each decode step replayed as one CUDA graph); a bench run at batch 64 and 2048 new
+   tokens; and `--profile-steps`, which times one plain, one draft and one verification step at given batch x
+   context shapes.
 
 5. A real Qwen3 checkpoint: the package never downloads anything. Fetch one yourself (e.g. `huggingface-cli download
    Qwen/Qwen3-8B --local-dir /models/Qwen3-8B`) and pass --model /models/Qwen3-8B, or LLM('/models/Qwen3-8B', ...)
@@ -130,13 +131,16 @@ def main(argv=None) -> None:
 
     section("4. On a GPU")
     print("Install the CUDA build of torch first, then this package (pip install -e '.[embedded]'). Then:")
-    for line in ("python -m nano_sparsespec.generate --device cuda --dtype bfloat16 --method pillar --async "
-                 "--prompt '...'",
-                 "python -m nano_sparsespec.bench --device cuda --dtype bfloat16 --batch-size 64 "
-                 "--max-new-tokens 2048 --ignore-eos",
+    for line in ("python -m nano_sparsespec.generate --device cuda --dtype bfloat16 --cuda-graphs --compile "
+                 "--method pillar --async --prompt '...'",
+                 "python -m nano_sparsespec.bench --device cuda --dtype bfloat16 --cuda-graphs --compile "
+                 "--batch-size 64 --max-new-tokens 2048 --ignore-eos",
                  "python -m nano_sparsespec.bench --device cuda --profile-steps --profile-shapes 32x8k,64x32k"):
         print(f"  $ {line}")
-    print("--compile swaps in torch.compile'd attention kernels; --async overlaps the host's bookkeeping with the "
+    print("--cuda-graphs --compile is the fast GPU path: torch.compile'd kernels, and each decode step, padded to "
+          "a bucket shape, is one upload of its index lists and one replay of a CUDA graph that builds the step's "
+          "tensors, runs the model, samples and verifies (cuda_graphs.py); without them every kernel is launched "
+          "from Python and the GPU mostly waits. --async overlaps the host's bookkeeping with the "
           "device (tutorial 04); --kv-blocks bounds the device pool (tutorial 05). Expect the gains where tutorial "
           "00 says the step is memory-bound: long contexts and large batches.")
 
