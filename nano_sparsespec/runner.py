@@ -33,7 +33,7 @@ from .config import SamplingParams, SpecConfig
 from .kv_cache import KVCache
 from .model import CausalLM
 from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import StepGraphs, round_up
 from .device import Packed, common_prefix, to_device
 from .scheduler import Sequence, Work
 
@@ -199,7 +199,13 @@ class ModelRunner:
         beyond their row's `selection_len`, where drafts do not read."""
         widths = [p.shape[-1] for p in positions]
         n = max(widths)
-        self.selection = self._widen(self.selection, n)
+        # Wide enough for the budget of the longest context these requests can reach (and for the bucket that
+        # rounds it up), so that growing budgets do not widen it again, each time dropping the recorded graphs.
+        longest = max(min(self.model.config.max_position_embeddings, s.num_prompt + s.params.max_new_tokens)
+                      for s in seqs)
+        columns = max(n, self.spec.budget(longest))
+        self.selection = self._widen(self.selection, columns if self.graphs is None else
+                                     round_up(columns, self.graphs.width_step))
         padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) if p.shape[-1] < n else p for p in positions])
         self.selection[self._dev([s.row for s in seqs]), :, :, :n] = padded        # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):

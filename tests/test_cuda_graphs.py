@@ -13,7 +13,7 @@ import torch
 
 from conftest import GREEDY
 from nano_sparsespec import LLM, SamplingParams, pillar_attn
-from nano_sparsespec.cuda_graphs import batch_bucket, round_up
+from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 from nano_sparsespec.runner import ModelRunner
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -93,3 +93,27 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch):
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
     assert {1, 5} <= set(calls)
+
+
+def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):
+    """The critical positions' buffer is sized once for the longest context the requests can reach: as budgets grow
+    over a generation (from the prompt's length to past the 32 columns a bucket rounds to, here), no recorded graph
+    is dropped (each drop means recording again)."""
+    dropped, budgets = [], set()
+    forget, set_selections = StepGraphs.forget, ModelRunner.set_selections
+
+    def counted_forget(self):
+        dropped.append(len(self.steps))
+        forget(self)
+
+    def noted_selections(self, seqs, positions):
+        budgets.update(p.shape[-1] for p in positions)
+        set_selections(self, seqs, positions)
+
+    monkeypatch.setattr(StepGraphs, "forget", counted_forget)
+    monkeypatch.setattr(ModelRunner, "set_selections", noted_selections)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    generate(tiny_qwen3[0], prompts[:4], params, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
+             budget_ratio=0.2, max_batch=4)
+    assert len(budgets) > 5 and max(budgets) > 32, budgets
+    assert not any(dropped), dropped
