@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nano_sparsespec.config import SamplingParams
-from nano_sparsespec.device import Packed
+from nano_sparsespec.device import Packed, long_tensor
 from nano_sparsespec.verifier import SamplingTensors
 
 
@@ -26,6 +26,15 @@ def test_a_static_copy_holds_a_leading_part_of_the_layout():
     assert list(got) == ["ids", "rows"] and got["rows"].tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="not a leading part"):
         packed.views(static, ["rows"])
+
+
+def test_long_tensor_keeps_every_int():
+    ints = [0, -1, 2**62, -2**63, 7]
+    got = long_tensor(ints)
+    assert got.dtype == torch.long and got.tolist() == ints
+    assert long_tensor([]).shape == (0,)
+    with pytest.raises(OverflowError):
+        long_tensor([2**63])
 
 
 def test_packed_lists_reject_ragged_rows_by_name():
