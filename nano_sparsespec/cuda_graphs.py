@@ -54,17 +54,21 @@ class StaticStep:
     of `compute` recorded over them."""
 
     def __init__(self, shape, packed: Packed, names: list[str], graphs: "StepGraphs"):
-        self.shape, self.names, self.graphs = shape, names, graphs
+        self.shape, self.graphs = shape, graphs
+        self.layout = _layout(packed, names)                                 # ((name, shape), ...) of the lists
         self.inputs = torch.zeros(packed.size(names), dtype=torch.long, device=packed.flat.device)   # [N]
         self.lists = packed.views(self.inputs, names)                        # name -> a view of `inputs`
         self.warmed_up = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None                                                  # what the recorded `compute` returned
 
-    def run(self, packed: Packed):
+    def run(self, packed: Packed, names: list[str]):
         """Copy the step's lists in (one device copy), then replay the graph (recording it the first time); on a
         CPU run `compute` eagerly on the same padded inputs, after the same warm-up run a recording makes first
         (so that the CPU tests check what a recording relies on)."""
+        layout = _layout(packed, names)
+        if layout != self.layout:                         # a bucket must fix the step's every list and its length
+            raise RuntimeError(f"step lists {layout} do not fit the static step's {self.layout}")
         self.inputs.copy_(packed.flat[:self.inputs.shape[0]])
         if self.inputs.device.type != "cuda":
             if not self.warmed_up:
@@ -102,6 +106,10 @@ class StaticStep:
         torch.cuda.synchronize()
         self.graphs.record_seconds += time.perf_counter() - start
         self.graphs.record_compile_seconds += compile_seconds() - compiled
+
+
+def _layout(packed: Packed, names: list[str]) -> tuple:
+    return tuple((name, packed.shapes[name]) for name in names)
 
 
 class StepGraphs:
@@ -142,7 +150,7 @@ class StepGraphs:
         step = self.steps.get(shape)
         if step is None:
             step = self.steps[shape] = StaticStep(shape, packed, names, self)
-        return step.run(packed)
+        return step.run(packed, names)
 
     def forget(self) -> None:
         """Drop every recorded graph (a buffer they read was reallocated); buckets record again when next met."""

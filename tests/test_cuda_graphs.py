@@ -117,3 +117,16 @@ def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkey
              budget_ratio=0.2, max_batch=4)
     assert len(budgets) > 5 and max(budgets) > 32, budgets
     assert not any(dropped), dropped
+
+
+def test_a_static_step_refuses_lists_of_another_layout():
+    """A bucket fixes every list of its steps and their lengths: lists that do not fit raise instead of being read
+    at the wrong offsets (the table changes after them vary freely)."""
+    from nano_sparsespec.device import Packed
+    graphs = StepGraphs(lambda shape, lists: lists["ids"] * 2, block_size=4, state=[])
+    first = Packed({"ids": [1, 2, 3], "rows": [[4, 5]], "table_changes": [[0, 1, 2]]})
+    assert graphs.run("bucket", first, ["ids", "rows"]).tolist() == [2, 4, 6]
+    changed = Packed({"ids": [7, 8, 9], "rows": [[1, 1]], "table_changes": [[0, 1, 2], [1, 2, 3]]})
+    assert graphs.run("bucket", changed, ["ids", "rows"]).tolist() == [14, 16, 18]
+    with pytest.raises(RuntimeError, match="do not fit"):
+        graphs.run("bucket", Packed({"ids": [1, 2], "rows": [[4, 5, 6]]}), ["ids", "rows"])
