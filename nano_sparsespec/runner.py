@@ -42,7 +42,7 @@ from .scheduler import Sequence, Work
 class StepShape:
     """The sizes a step's device tensors are built with: its own (an eager step) or its bucket's (a padded static
     step: `StepGraphs.bucket` rounds them up). Every list the step sends has these lengths (`ModelRunner._lists`)."""
-    tokens: int                  # T: token rows; the last one is the padding row
+    tokens: int                  # T: token rows; in a step with padding the last one is the padding row
     dense_batch: int             # Bd: requests attending densely
     dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
     dense_blocks: int            # Lmax / block_size: context blocks per dense request
@@ -85,7 +85,7 @@ class StepPlan:
         return plan
 
 
-# the named device lists of a step (`launch`) that make up its Readout
+# the named device lists of a step (`_lists`) that make up its Readout
 READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position", "check_logit_rows", "check_row",
                  "check_num_drafts", "check_first_position", "ngram_drafts")
 
@@ -226,10 +226,14 @@ class ModelRunner:
     def _shape(self, plan: StepPlan) -> StepShape:
         """The step's own sizes (no rounding)."""
         dense, sparse = [w for w, _ in plan.dense], [w for w, _ in plan.sparse]
+        q_max = max((w.num_tokens for w in dense), default=0)
+        # dense requests shorter than the longest have padding queries, which need a padding row (a padding row
+        # costs a whole token's work: 2x for a batch of one on a CPU, so steps without padding have none)
+        has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
         flags = verifier.SamplingTensors.host_flags
         return StepShape(
-            tokens=sum(w.num_tokens for w in plan.works) + 1,
-            dense_batch=len(dense), dense_queries=max((w.num_tokens for w in dense), default=0),
+            tokens=sum(w.num_tokens for w in plan.works) + has_padding,
+            dense_batch=len(dense), dense_queries=q_max,
             dense_blocks=-(-max((w.start + w.num_tokens for w in dense), default=0) // self.cache.block_size),
             scores=self.spec.method in ("pillar", "pillar-lookup") and any(w.kind == "verify" or w.final_prefill
                                                                            for w in dense),

@@ -130,3 +130,22 @@ def test_a_static_step_refuses_lists_of_another_layout():
     assert graphs.run("bucket", changed, ["ids", "rows"]).tolist() == [14, 16, 18]
     with pytest.raises(RuntimeError, match="do not fit"):
         graphs.run("bucket", Packed({"ids": [1, 2], "rows": [[4, 5, 6]]}), ["ids", "rows"])
+
+
+def test_eager_steps_have_a_padding_row_only_when_they_pad(tiny_qwen3, prompts, monkeypatch):
+    """A padding row is a whole token's work (on a CPU a batch of one takes twice as long with it), so an eager step
+    has one only when a dense request has fewer query rows than the longest (a prefill chunk beside decoding)."""
+    seen = {True: 0, False: 0}
+    shape_of = ModelRunner._shape
+
+    def noted(self, plan):
+        shape = shape_of(self, plan)
+        real = sum(w.num_tokens for w in plan.works)
+        ragged = len({w.num_tokens for w, _ in plan.dense}) > 1
+        assert shape.tokens == real + ragged
+        seen[ragged] += 1
+        return shape
+
+    monkeypatch.setattr(ModelRunner, "_shape", noted)
+    generate(tiny_qwen3[0], prompts, method="plain", max_batch=5, prefill_chunk=32)
+    assert seen[True] and seen[False]
