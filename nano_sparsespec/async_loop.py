@@ -302,7 +302,7 @@ class LLM:
         """(device blocks, host blocks). Device: `kv_blocks`, or room for the `max_batch` largest requests at their
         longest. Host (only with a bounded device pool): room for every request at its longest."""
         bs = self.spec.block_size
-        worst = sorted((-(-(s.num_prompt + s.params.max_new_tokens + self.spec.stride + 2) // bs) for s in seqs),
+        worst = sorted((-(-(s.final_length + self.spec.stride + 2) // bs) for s in seqs),
                        reverse=True)
         if self.spec.kv_blocks is None:
             return max(1, sum(worst[:self.spec.max_batch])), 0

@@ -75,6 +75,11 @@ class Sequence:
         return self.tokens[self.num_prompt:]
 
     @property
+    def final_length(self) -> int:
+        """Tokens it holds if it writes all of max_new_tokens (the context end may stop it sooner)."""
+        return self.num_prompt + self.params.max_new_tokens
+
+    @property
     def num_output(self) -> int:
         """len(output_ids) without copying them (the per-token stop checks ask for it)."""
         return len(self.tokens) - len(self.prompt_ids)
@@ -116,7 +121,7 @@ class Scheduler:
 
     # --- requests ----------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        worst_case = min(self.max_len, seq.num_prompt + seq.params.max_new_tokens + self.spec.stride + 1)
+        worst_case = min(self.max_len, seq.final_length + self.spec.stride + 1)
         need = -(-worst_case // self.cache.block_size)
         if need > self.cache.pool.num_blocks:
             raise ValueError(f"KV pool too small: request {seq.seq_id} may need {need} blocks of "
