@@ -191,7 +191,7 @@ class ModelRunner:
         return grown
 
     # --- critical positions ------------------------------------------------------------------------------------------
-    @torch.inference_mode()   # (a buffer widened by a step is an inference tensor)
+    @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
     def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
         """Store, for each request, the positions [L, n_kv, n] its next drafts attend to (besides the recent window).
 
@@ -201,8 +201,7 @@ class ModelRunner:
         n = max(widths)
         # Wide enough for the budget of the longest context these requests can reach (and for the bucket that
         # rounds it up), so that growing budgets do not widen it again, each time dropping the recorded graphs.
-        longest = max(min(self.model.config.max_position_embeddings, s.num_prompt + s.params.max_new_tokens)
-                      for s in seqs)
+        longest = max(min(self.model.config.max_position_embeddings, s.final_length) for s in seqs)
         columns = max(n, self.spec.budget(longest))
         self.selection = self._widen(self.selection, columns if self.graphs is None else
                                      round_up(columns, self.graphs.width_step))
@@ -211,7 +210,7 @@ class ModelRunner:
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
 
-    @torch.inference_mode()   # (a buffer widened by a step is an inference tensor)
+    @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
     def set_context_tokens(self, seq: Sequence) -> None:
         """Mirror `seq`'s committed tokens into its row of `context_tokens`, sending only the ones not sent yet."""
         owner, sent = self.tokens_sent[seq.row]
@@ -423,9 +422,9 @@ class ModelRunner:
         upload = Packed(lists, self.device)
         dev = upload.views()
 
-        self._apply_table_changes(dev.get("table_changes"), max(shape.dense_blocks, *(
-            len(self.cache.pool.tables[s.seq_id]) for s in seqs)))
-        self.selection = self._widen(self.selection, shape.selection_width)
+        # every column in use came in a change once: the changes (and the step's dense context) say the width
+        self._apply_table_changes(dev.get("table_changes"),
+                                  max([shape.dense_blocks] + [column + 1 for _, column, _ in changes]))
         self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
         if static:
             packed, scores = self.graphs.run(shape, upload, names)    # valid until the next replay
@@ -455,12 +454,12 @@ class ModelRunner:
         return self._verify(hidden, readout), ctx.dense.scores if ctx.dense is not None else None
 
     # --- the step's tensors, on the device ---------------------------------------------------------------------------
-    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pool slots of positions [B, ...] of the requests whose block tables are `tables` [B, max_blocks]."""
+    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pool slots of positions [B, ...] of the requests in `rows` [B] (read from their device block tables)."""
         bs = self.cache.block_size
         flat = positions.reshape(positions.shape[0], -1)
-        block = torch.gather(tables, 1, (flat // bs).clamp(max=tables.shape[1] - 1))
-        return (block * bs + flat % bs).view(positions.shape)
+        column = (flat // bs).clamp(max=self.block_tables.shape[1] - 1)
+        return (self.block_tables[rows[:, None], column] * bs + flat % bs).view(positions.shape)
 
     def _dense_batch(self, shape: StepShape, dev: dict[str, torch.Tensor]) -> DenseBatch:
         Q, L = shape.dense_queries, shape.dense_blocks * self.cache.block_size
@@ -483,7 +482,6 @@ class ModelRunner:
     def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor], input_ids: torch.Tensor) -> SparseBatch:
         rows, verified, n_sel = dev["sparse_row"], dev["sparse_verified"], dev["sparse_n_sel"]   # [Bs]
         Nsel, W = shape.selection_width, shape.window
-        tables = self.block_tables[rows]                                                # [Bs, capacity]
         sel_pos = self.selection[rows, :, :, :Nsel]                                     # [Bs, L, n_kv, Nsel]
         sel_valid = torch.arange(Nsel, device=self.device)[None] < n_sel[:, None]      # [Bs, Nsel]
         if self.spec.method == "pillar-lookup":
@@ -493,8 +491,8 @@ class ModelRunner:
             lookup, lookup_valid = self._lookups(shape, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
             sel_pos = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)     # [Bs, L, n_kv, Nsel]
         win_pos = verified[:, None] + torch.arange(W, device=self.device)               # [Bs, W]
-        sel_slots = self._slots(tables, sel_pos)                                        # [Bs, L, n_kv, Nsel]
-        win_slots = self._slots(tables, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
+        sel_slots = self._slots(rows, sel_pos)                                        # [Bs, L, n_kv, Nsel]
+        win_slots = self._slots(rows, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
         slots = torch.cat([sel_slots, win_slots], dim=-1)                               # [Bs, L, n_kv, S]
         heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
         kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()         # [L, Bs, n_kv, S]
