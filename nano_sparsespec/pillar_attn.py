@@ -20,7 +20,7 @@ Owns
   * `compile_kernels()`: the optional torch.compile'd variant of the PillarAttn score pass and the sparse draft kernel
     (same math, float tolerance); dense attention runs torch's fused SDPA over gathered K/V, or, with
     `compile_kernels(paged=True)` (the GPU), `paged_attention`: compiled flex_attention reading the pool in place
-    through a block mask that `prepare` builds once per step.
+    through a block mask that `prepare` builds once per step, long contexts cut into chunks (`PAGED_CHUNK`).
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
 """
@@ -386,6 +386,14 @@ def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: t
 # context where it lies in the pool instead of a gathered copy. Uncompiled, flex_attention is torch's reference
 # implementation, which materialises scores over the whole pool: the tests run it on tiny pools.
 
+# The paged kernel cuts contexts into chunks of at most this many positions, each a CTA's work (`paged_block_mask`).
+# On the H200 (benchmarks/h200/session12/flex_split.py: one layer, us per call, whole contexts -> chunks of 7 blocks of
+# 64, contexts of up to 21 blocks): 8 / 16 / 32 verifications (Q = 9) 33.2 / 37.3 / 34.8 -> 21.7 / 28.4 / 29.7;
+# 64 / 128 plain decoding rows 40.4 / 51.8 -> 22.2 / 45.1. Up to 36 blocks: 16 verifications 59.1 -> 29.3 (4 chunks)
+# and 27.2 (6), 128 plain rows 85.2 -> 74.2 and 72.6 (69.8 at 3).
+PAGED_CHUNK = 512
+
+
 def prepare(ctx: AttentionContext, group: int) -> None:
     """Once per forward, before the layers: the block mask of the paged kernels, for dense batches whose G x Qmax
     packed rows (`group` query heads per KV head) fit flex_attention's decoding kernel (plain decoding,
@@ -393,11 +401,13 @@ def prepare(ctx: AttentionContext, group: int) -> None:
     d = ctx.dense
     if _kernels["paged"] is None or d is None or group * d.mask.shape[1] >= 128:
         return
+    blocks, chunk_blocks = d.block_table.shape[1], max(1, PAGED_CHUNK // ctx.block_size)
     d.block_mask = paged_block_mask(d.block_table, d.mask, d.q_start, d.q_valid, ctx.block_size,
-                                    ctx.k_cache.shape[1], group)
+                                    ctx.k_cache.shape[1], group, splits=-(-blocks // chunk_blocks))
 
 
-def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int, group: int):
+def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int, group: int,
+                     splits: int = 1):
     """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly mask[b, q, :] of its context.
 
     block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B]; q_valid: [B, Q] bool.
@@ -407,11 +417,18 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     block number within its request, `owner` the request (checked, so the rule holds over the whole pool as
     flex_attention's contract wants, not only on the listed blocks). The padding requests of a padded step
     (cuda_graphs.py) all list the scratch block, which gets one owner: the others see nothing, and their rows are
-    discarded. Built on the device, no host sync."""
+    discarded. Built on the device, no host sync.
+
+    With `splits` > 1 each request's context is cut into that many chunks of consecutive blocks, and flex_attention
+    sees each chunk as a request of its own: mask entry b * splits + s is chunk s of request b (`paged_attention`
+    merges the chunks). Why: its decoding kernel gives a (request, KV head) one CTA per split of the key sequence,
+    which here is the whole pool, so a request's blocks all fall to one CTA and a verification of 16 requests kept
+    48 CTAs busy on the H200's 132 SMs (benchmarks/h200/session12/flex_split.py)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, Q, L = mask.shape
     nb, pool_blocks = L // block_size, pool_slots // block_size
+    chunk = -(-nb // splits)                                                           # blocks per chunk
     seen = mask.view(B, Q, nb, block_size)
     used = seen.any(-1).any(1)                                                         # [B, nb]
     full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1)                         # [B, nb]
@@ -421,17 +438,21 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     owner = torch.full((pool_blocks + 1,), -1, dtype=torch.long, device=mask.device)
     owner.scatter_(0, target, torch.arange(B, device=mask.device).repeat_interleave(nb))
 
-    def visible(b, h, q_idx, kv_idx):     # q_idx: a packed row g * Q + q (paged_attention)
-        block, row = kv_idx // block_size, q_idx % Q
+    def visible(b, h, q_idx, kv_idx):     # b: a chunk b * splits + s; q_idx: a packed row g * Q + q (paged_attention)
+        request, block, row = b // splits, kv_idx // block_size, q_idx % Q
         position = rank[block] * block_size + kv_idx % block_size
-        return ((owner[block] == b) & (position <= q_start[b] + row)
-                & (q_valid[b, row] | (position == 0)))
+        return ((owner[block] == request) & (rank[block] // chunk == b % splits)
+                & (position <= q_start[request] + row) & (q_valid[request, row] | (position == 0)))
 
-    def listed(which):    # [B, nb] bool -> counts [B, 1, 1], their block ids first [B, 1, 1, pool_blocks]
+    def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
+        return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
+
+    def listed(which):    # [B, nb] bool -> counts [B * splits, 1, 1], their block ids first [B * splits, 1, 1, pool_blocks]
+        which, table = by_chunk(which), by_chunk(block_table)
         order = torch.argsort((~which).to(torch.int8), dim=1, stable=True)
-        ids = torch.zeros(B, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)   # BlockMask's contract:
-        width = min(nb, pool_blocks)      # one column per KV block (a padded table can be wider than the pool)
-        ids[:, 0, 0, :width] = block_table.gather(1, order)[:, :width]
+        ids = torch.zeros(B * splits, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)   # BlockMask's
+        width = min(chunk, pool_blocks)   # contract: one column per KV block (a padded table can be wider than the pool)
+        ids[:, 0, 0, :width] = table.gather(1, order)[:, :width]
         return which.sum(1, dtype=torch.int32)[:, None, None], ids
 
     q_tile = -(-group * Q // 128) * 128
@@ -445,9 +466,21 @@ def paged_attention(q, k_layer, v_layer, block_mask):
     The G query heads of a KV head are packed into G x Q rows (as `dense_attention` does for SDPA): flex_attention
     then sees one query head per KV head, which lets it use its decoding kernel (it needs a power-of-two group; the
     embedded model's is 3). That kernel's tiles are at most one pool block: blocks of 16 positions made it slower
-    than gather + SDPA on the H200, blocks of 64 1.7x faster (benchmarks/h200/session5/paged.py)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    than gather + SDPA on the H200, blocks of 64 1.7x faster (benchmarks/h200/session5/paged.py). A block mask
+    made with splits S > 1 has B * S entries, one per chunk of a context: the chunks' outputs are averaged weighted
+    by the softmax of their logsumexps, which is attention over the whole context."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    out = flex_attention(_pack_groups(q, k_layer.shape[1]), k_layer.permute(1, 0, 2)[None],
-                         v_layer.permute(1, 0, 2)[None], block_mask=block_mask)       # [B, n_kv, G*Q, D]
-    return _unpack_groups(out, q.shape[1])
+    B, Q = q.shape[:2]
+    keys, values = k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None]    # [1, n_kv, slots, D]
+    packed = _pack_groups(q, k_layer.shape[1])                                        # [B, n_kv, G*Q, D]
+    splits = block_mask.kv_num_blocks.shape[0] // B
+    if splits == 1:
+        return _unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask), Q)
+    # one request per chunk of each request's context (`paged_block_mask`), merged by their logsumexps
+    out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values, block_mask=block_mask,
+                              return_aux=AuxRequest(lse=True))                        # [B * S, n_kv, G*Q, D]
+    # [B, S, n_kv, G*Q]; a row that sees nothing (a padding request's) has no finite logsumexp: weights 0, out 0
+    weight = aux.lse.view(B, splits, *packed.shape[1:3]).softmax(dim=1).nan_to_num()
+    out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)  # [B, n_kv, G*Q, D]
+    return _unpack_groups(out.to(q.dtype), Q)

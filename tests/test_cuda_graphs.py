@@ -77,22 +77,27 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     assert worst["scores"] < 1e-6, worst
 
 
-def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch):
+@pytest.mark.parametrize("chunk", [pillar_attn.PAGED_CHUNK, 16])
+def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
-    plain decoding on it."""
-    calls = []
+    plain decoding on it, with contexts in one piece (these are shorter than PAGED_CHUNK) or cut into chunks of one
+    block, merged by their logsumexps."""
+    monkeypatch.setattr(pillar_attn, "PAGED_CHUNK", chunk)
+    calls, splits = [], []
 
-    def counted(*args):
-        calls.append(args[0].shape[1])                  # query rows per request: 1 plain decoding, k + 1 verification
-        return pillar_attn.paged_attention(*args)
+    def counted(q, k_layer, v_layer, block_mask):
+        calls.append(q.shape[1])                        # query rows per request: 1 plain decoding, k + 1 verification
+        splits.append(block_mask.kv_num_blocks.shape[0] // q.shape[0])                  # chunks per context
+        return pillar_attn.paged_attention(q, k_layer, v_layer, block_mask)
     monkeypatch.setitem(pillar_attn._kernels, "paged", counted)
-    _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=5)
+    _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
     _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
                        budget_ratio=0.1, batch_policy="balanced", async_verify=True, kv_blocks=12, block_size=16,
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
     assert {1, 5} <= set(calls)
+    assert max(splits) == (16 if chunk == 16 else 1)      # padded steps: 256 positions, 16 blocks
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):

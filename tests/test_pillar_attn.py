@@ -293,6 +293,40 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
         assert torch.allclose(out[row_S, h].double(), o, atol=TOL), ("S", h)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_paged_attention_in_chunks_is_dense_attention(splits):
+    """The paged kernel (torch's uncompiled flex_attention over the pool) with each request's context cut into
+    `splits` chunks of blocks, merged by their logsumexps: dense attention over the gathered context. Contexts of 1
+    to 5 blocks (some chunks empty); two padding requests list the scratch block, whose one owner sees position 0
+    and the other nothing: its rows come out 0, not NaN."""
+    g = torch.Generator().manual_seed(7)
+    block, nb, pool_blocks = 4, 5, 24
+    scratch = pool_blocks - 1
+    k_pool = torch.randn(pool_blocks * block, N_KV, D, generator=g)
+    v_pool = torch.randn(pool_blocks * block, N_KV, D, generator=g)
+    table = torch.randperm(scratch, generator=g)[:3 * nb].view(3, nb)
+    table = torch.cat([table, torch.full((2, nb), scratch)])                          # [5, nb]: 2 padding requests
+    q_len, context = torch.tensor([3, 1, 2, 0, 0]), torch.tensor([20, 3, 9, 1, 1])
+    q_start = (context - q_len).clamp(min=0)
+    Q = 3
+    q = torch.randn(5, Q, H, D, generator=g)
+    q_valid = torch.arange(Q)[None, :] < q_len[:, None]
+    positions = torch.arange(nb * block)[None, None, :]
+    mask = (positions <= (q_start[:, None] + torch.arange(Q))[:, :, None]) & (q_valid[:, :, None] | (positions == 0))
+
+    block_mask = pa.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, splits=splits)
+    out = pa.paged_attention(q, k_pool, v_pool, block_mask)                           # [5, Q, H, D]
+
+    def gathered(pool):                                                               # [5, nb * block, N_KV, D]
+        return pool.view(pool_blocks, block, N_KV, D)[table].view(5, nb * block, N_KV, D)
+    ref, _ = dense_attention(q, gathered(k_pool), gathered(v_pool), mask)
+    owner = 4                                                   # the scratch block's owner: the last to list it
+    sees = q_valid.clone()
+    sees[owner] = True
+    assert torch.allclose(out[sees], ref[sees], atol=TOL)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))        # the other padding request sees nothing
+
+
 def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     """The cached path through attend() (one prefill request, dense, slots out of order) equals the reference path."""
     from conftest import make_tiny_checkpoint

@@ -1,0 +1,75 @@
+"""The paged dense kernel's work split on the H200: one layer's flex_attention over a random pool of the embedded
+model's shape (3 KV heads x 64, 9 query heads, blocks of 64), as plain decoding (Q = 1) and verification (Q = 9)
+see it.
+
+flex_attention's decoding kernel runs a grid of (requests x KV heads) x SPLIT_KV. With the block mask listing `full`
+blocks, each split takes a slice of the whole key sequence, here the pool: a request's blocks all fall in one split,
+so a verification of 16 requests keeps 48 CTAs busy on 132 SMs. `pillar_attn.paged_block_mask(splits=S)` cuts each
+request's context into S chunks that flex_attention sees as requests of their own, and `paged_attention` merges them
+by their logsumexps. This measures S = 1 (the engine until this session) .. 8. Each variant runs 30 calls (one per
+layer) in one CUDA graph, replayed; its output is checked against S = 1's.
+(Device calls 1 and 2 ran an earlier revision that listed every block as partial, so that flex_attention's own
+SPLIT_KV divides each request's blocks: raw/flex_split_call{1,2}.txt; mask evaluation everywhere made that slower
+than full blocks at 32 x Q = 9.)
+
+Usage: python benchmarks/h200/session12/flex_split.py BATCH CONTEXT Q   (contexts spread over CONTEXT / 4 .. CONTEXT,
+a random pool block per block)"""
+import sys
+
+import torch
+from nano_sparsespec import pillar_attn
+
+batch, context, Q = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+device, dtype = torch.device("cuda"), torch.bfloat16
+n_kv, G, D, bs, layers = 3, 3, 64, 64, 30
+torch.manual_seed(0)
+
+lengths = torch.randint(context // 4, context + 1, (batch,))                     # context incl. this step's Q rows
+nb = -(-context // bs)
+pool_blocks = batch * nb + 1
+slots = pool_blocks * bs
+k_pool = torch.randn(slots, n_kv, D, device=device, dtype=dtype)
+v_pool = torch.randn(slots, n_kv, D, device=device, dtype=dtype)
+block_table = torch.randperm(pool_blocks - 1)[:batch * nb].view(batch, nb).to(device)
+q = torch.randn(batch, Q, n_kv * G, D, device=device, dtype=dtype)
+q_start = (lengths - Q).to(device)
+q_valid = torch.ones(batch, Q, dtype=torch.bool, device=device)
+kv_pos = torch.arange(nb * bs, device=device)[None, None, :]
+mask = kv_pos <= (q_start[:, None] + torch.arange(Q, device=device))[:, :, None]   # [B, Q, L]
+
+
+attention = torch.compile(pillar_attn.paged_attention, dynamic=False)
+
+
+def timed(fn, reps=20):
+    """ms per call: `layers` calls recorded in one CUDA graph, replayed `reps` times."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / layers
+
+
+kv_bytes = int(lengths.sum()) * n_kv * D * 2 * k_pool.element_size()
+print(f"batch {batch}, Q {Q}, contexts {int(lengths.min())}..{int(lengths.max())} (mean {lengths.float().mean():.0f}),"
+      f" K+V read per call {kv_bytes / 1e6:.1f} MB")
+reference = None
+for splits in (1, 2, 3, 4, 6, 8):
+    block_mask = pillar_attn.paged_block_mask(block_table, mask, q_start, q_valid, bs, slots, G, splits=splits)
+    out = attention(q, k_pool, v_pool, block_mask)
+    if reference is None:
+        reference = out
+    error = (out.float() - reference.float()).abs().max().item()
+    ms = timed(lambda: attention(q, k_pool, v_pool, block_mask))
+    print(f"splits {splits}  {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s  max |diff| {error:.2e}")
