@@ -122,6 +122,8 @@ class _BannedLogits:
         out = self._model.logits(hidden)
         if self.histories is None:
             return out
+        if len(self.histories) != out.shape[0]:
+            raise RuntimeError(f"{out.shape[0]} logits rows but {len(self.histories)} histories to ban them by")
         rows, cols = [], []
         for r, (seq, tail) in enumerate(self.histories):
             index = self.indexes.setdefault(id(seq), _NgramIndex(self.n))
@@ -139,6 +141,8 @@ class NoRepeatNgramRunner(ModelRunner):
 
     def __init__(self, model, cache, spec, *args, **kwargs):
         super().__init__(model, cache, spec, *args, **kwargs)
+        if self.graphs is not None:     # the ban is host code between the device ops, which a graph cannot replay
+            raise ValueError("--no-repeat-ngram needs the eager path (cuda_graphs=False)")
         self.model = _BannedLogits(model, self.ngram)
 
     def _drafts_of(self, seq, count: int) -> list[int]:
@@ -148,23 +152,17 @@ class NoRepeatNgramRunner(ModelRunner):
             return seq.ngram_drafts[:count]
         return self.draft_tokens[seq.row, :count].tolist()
 
-    def _sample_drafts(self, hidden, drafts):
-        self.model.histories = [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified)) for w, _ in drafts]
-        try:
-            super()._sample_drafts(hidden, drafts)
-        finally:
-            self.model.histories = None
-
-    def _verify(self, hidden, checks):
-        num_drafts = [w.num_tokens - 1 if w.kind == "verify" else 0 for w, _ in checks]
-        m_max = max(num_drafts, default=0)
-        histories = []
-        for (w, _), m in zip(checks, num_drafts):
+    def _run(self, plan, shape, static):
+        """Set the history of every logits row the step reads out, in the order of `ModelRunner._logits`: each
+        draft's (its output and the drafts before it), then each check's M + 1 rows (row j: the first j drafts)."""
+        histories = [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified)) for w, _ in plan.drafts]
+        m_max = max(plan.num_drafts, default=0)
+        for (w, _), m in zip(plan.checks, plan.num_drafts):
             drafts = self._drafts_of(w.seq, m)
             histories += [(w.seq, drafts[:min(j, m)]) for j in range(m_max + 1)]   # padded rows repeat the last
         self.model.histories = histories
         try:
-            return super()._verify(hidden, checks)
+            return super()._run(plan, shape, static)
         finally:
             self.model.histories = None
 

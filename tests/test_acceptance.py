@@ -1,0 +1,34 @@
+"""acceptance.py: the repetitiveness measures, and `--no-repeat-ngram` (the same N-gram ban on the drafter's and the
+verifier's logits, so that speculation stays lossless with respect to the banned target)."""
+from conftest import GREEDY
+from nano_sparsespec import LLM
+from nano_sparsespec.acceptance import no_repeat_ngram, repeated_ngram_share, repeated_run_share
+
+
+def test_repetitiveness_measures():
+    # 3-grams 123 231 312 123 231: the last two already occurred
+    assert repeated_ngram_share([1, 2, 3, 1, 2, 3, 1], 3) == (2, 5)
+    # 2-token windows: [1, 2] recurs at 2 and 4, [2, 1] at 3: tokens 2..5 sit in a repeated window
+    assert repeated_run_share([1, 2, 1, 2, 1, 2], run=2) == (4, 6)
+
+
+def generate(path, prompts, method, **options):
+    llm = LLM(str(path), method=method, dtype="float32", **options)
+    return llm, [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
+
+
+def test_no_repeat_ngram_bans_repeats_in_drafts_and_verification(tiny_qwen3, prompts):
+    """A tiny random model loops; with repeated 3-grams banned its greedy output has none, greedy speculation equals
+    plain decoding under the ban, and the `full` drafter (the target model itself) still has every draft accepted:
+    drafts and verification rows, read out in the same steps, see the same ban."""
+    _, looping = generate(tiny_qwen3[0], prompts, "plain")
+    assert sum(repeated_ngram_share(t, 3)[0] for t in looping) > 0          # the ban has something to do
+    with no_repeat_ngram(3):
+        _, plain = generate(tiny_qwen3[0], prompts, "plain")
+        _, pillar = generate(tiny_qwen3[0], prompts, "pillar", stride=4, min_budget=8, budget_ratio=0.1,
+                             batch_policy="balanced")
+        full, _ = generate(tiny_qwen3[0], prompts, "full", stride=4, batch_policy="balanced")
+    assert all(repeated_ngram_share(t, 3)[0] == 0 for t in plain)
+    assert pillar == plain
+    stats = full.last_stats
+    assert stats.accepted_counts and stats.accepted_counts == stats.drafts_offered
