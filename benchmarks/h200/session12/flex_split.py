@@ -7,7 +7,8 @@ blocks, each split takes a slice of the whole key sequence, here the pool: a req
 so a verification of 16 requests keeps 48 CTAs busy on 132 SMs. `pillar_attn.paged_block_mask(splits=S)` cuts each
 request's context into S chunks that flex_attention sees as requests of their own, and `paged_attention` merges them
 by their logsumexps. This measures S = 1 (the engine until this session) .. 8. Each variant runs 30 calls (one per
-layer) in one CUDA graph, replayed; its output is checked against S = 1's.
+layer) in one CUDA graph, replayed (`graph_timing.replay_ms`; call 3 ran an inline copy of it that warmed up on the
+default stream); its output is checked against S = 1's.
 (Device calls 1 and 2 ran an earlier revision that listed every block as partial, so that flex_attention's own
 SPLIT_KV divides each request's blocks: raw/flex_split_call{1,2}.txt; mask evaluation everywhere made that slower
 than full blocks at 32 x Q = 9.)
@@ -15,9 +16,14 @@ than full blocks at 32 x Q = 9.)
 Usage: python benchmarks/h200/session12/flex_split.py BATCH CONTEXT Q   (contexts spread over CONTEXT / 4 .. CONTEXT,
 a random pool block per block)"""
 import sys
+from pathlib import Path
 
 import torch
+
 from nano_sparsespec import pillar_attn
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from graph_timing import replay_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
 
 batch, context, Q = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 device, dtype = torch.device("cuda"), torch.bfloat16
@@ -41,26 +47,6 @@ mask = kv_pos <= (q_start[:, None] + torch.arange(Q, device=device))[:, :, None]
 attention = torch.compile(pillar_attn.paged_attention, dynamic=False)
 
 
-def timed(fn, reps=20):
-    """ms per call: `layers` calls recorded in one CUDA graph, replayed `reps` times."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / layers
-
-
 kv_bytes = int(lengths.sum()) * n_kv * D * 2 * k_pool.element_size()
 print(f"batch {batch}, Q {Q}, contexts {int(lengths.min())}..{int(lengths.max())} (mean {lengths.float().mean():.0f}),"
       f" K+V read per call {kv_bytes / 1e6:.1f} MB")
@@ -71,5 +57,5 @@ for splits in (1, 2, 3, 4, 6, 8):
     if reference is None:
         reference = out
     error = (out.float() - reference.float()).abs().max().item()
-    ms = timed(lambda: attention(q, k_pool, v_pool, block_mask))
+    ms = replay_ms(lambda: [attention(q, k_pool, v_pool, block_mask) for _ in range(layers)]) / layers
     print(f"splits {splits}  {ms * 1e3:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s  max |diff| {error:.2e}")

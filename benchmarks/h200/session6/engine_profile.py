@@ -8,8 +8,8 @@ MODE as in engine_split.py. Per mode: one short warm-up generation (compiles the
 (the host's share of a step) and by CUDA time, per profiled step.
 
 `--by-source` (session 12): the steps run eagerly (no CUDA graphs: a replayed graph's kernels have no Python stack),
-and the top ops by CUDA time (CPU time on a CPU) are grouped by the package's source lines that launched them, so a
-kernel of the profile above can be traced to the line of code it comes from.
+and the top ops by CUDA time (CPU time on a CPU) are grouped by the package functions they ran from (each named by
+its file and the line of its `def`), so a kernel of the profile above can be traced to the code it comes from.
 """
 import argparse
 import time
@@ -34,7 +34,7 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--by-source", action="store_true", help="eager steps, ops grouped by the source line they run from")
+    p.add_argument("--by-source", action="store_true", help="eager steps, ops grouped by the functions they ran from")
     args = p.parse_args()
     schedule = Scheduler.schedule
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -78,7 +78,7 @@ def main():
 
 def print_by_source(prof, steps: int, rows: int, key: str) -> None:
     """The top ops by `key` (their self time: kernels count on the op that launched them), grouped by op and the
-    package's source lines that ran it (innermost first, from the profiler's Python call events)."""
+    package functions it ran from (innermost first, from the profiler's Python call events)."""
     totals = {}
     for e in prof.events():
         if ".py(" in e.name or e.name.startswith("<built-in"):               # a Python call, not an op
@@ -91,7 +91,7 @@ def print_by_source(prof, steps: int, rows: int, key: str) -> None:
         entry = totals.setdefault((e.name, " < ".join(lines[:4])), [0.0, 0])
         entry[0] += getattr(e, key)
         entry[1] += 1
-    print(f"\ntop by {key} with the package lines that ran them (ms per step, calls per step):")
+    print(f"\ntop by {key} with the package functions they ran from (ms per step, calls per step):")
     for (name, where), (time_us, count) in sorted(totals.items(), key=lambda item: -item[1][0])[:rows]:
         print(f"  {time_us / steps / 1e3:8.3f}  {count / steps:7.1f}  {name[:70]}")
         print(f"            {where or '(no package frame)'}")

@@ -10,10 +10,14 @@ Usage: python benchmarks/h200/session6/sparse_kernel.py [DRAFTS [WIDTH [CONTEXT 
 (defaults 112 drafts x 160 gathered entries, a pool of 128 requests x 2,048 positions per layer)."""
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from nano_sparsespec import pillar_attn
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from graph_timing import replay_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
 
 drafts = int(sys.argv[1]) if len(sys.argv) > 1 else 112
 width = int(sys.argv[2]) if len(sys.argv) > 2 else 160
@@ -57,23 +61,7 @@ def timed(kernel, reps=20) -> float:
         for _ in range(reps):
             step(kernel)
         return (time.perf_counter() - start) / reps * 1e3
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(kernel)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(kernel)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return replay_ms(lambda: step(kernel), reps)
 
 
 reference = torch.stack(step(pillar_attn.sparse_attention)).float()
