@@ -447,11 +447,12 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
         return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
 
-    def listed(which):    # [B, nb] bool -> counts [B * splits, 1, 1], their block ids first [B * splits, 1, 1, pool_blocks]
+    def listed(which):    # [B, nb] bool -> per chunk: counts [B*S, 1, 1], its block ids first [B*S, 1, 1, pool_blocks]
         which, table = by_chunk(which), by_chunk(block_table)
         order = torch.argsort((~which).to(torch.int8), dim=1, stable=True)
-        ids = torch.zeros(B * splits, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)   # BlockMask's
-        width = min(chunk, pool_blocks)   # contract: one column per KV block (a padded table can be wider than the pool)
+        # BlockMask's contract: one column per KV block (a padded table can be wider than the pool)
+        ids = torch.zeros(B * splits, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)
+        width = min(chunk, pool_blocks)
         ids[:, 0, 0, :width] = table.gather(1, order)[:, :width]
         return which.sum(1, dtype=torch.int32)[:, None, None], ids
 

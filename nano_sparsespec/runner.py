@@ -521,7 +521,8 @@ class ModelRunner:
         return logits[:drafts.shape[0]], logits[drafts.shape[0]:]
 
     def _sample_drafts(self, logits: torch.Tensor, r: Readout) -> None:
-        """Sample the drafts from their logits [Nd, V] into the draft buffer (and, when sampling, their distributions)."""
+        """Sample the drafts from their logits [Nd, V] into the draft buffer (and, when sampling, their
+        distributions)."""
         st = self.sampling.select(r.draft_row, r.draft_flags)
         probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)           # [Nd, V], [Nd]
         self.draft_tokens[r.draft_row, r.draft_index] = tokens
