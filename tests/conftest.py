@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Qwen3 / Llama checkpoints written by transformers, the embedded model, and the
-prompts + plain greedy outputs that the losslessness tests compare every drafter against."""
+prompts + plain greedy outputs that the losslessness tests compare every drafter against, and `run` / `generate`, which
+run an LLM on them."""
 import pytest
 import torch
 
@@ -7,6 +8,18 @@ from nano_sparsespec import LLM, SamplingParams
 
 PROMPT_LENGTHS = (5, 17, 40, 3, 64, 9, 33, 21)
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+def run(path, prompts, params=GREEDY, **options):
+    """An LLM on the checkpoint at `path` (options: LLM's) and its outputs for `prompts` (token ids) -> (llm, outputs)."""
+    llm = LLM(str(path), **options)
+    return llm, llm.generate(None, params, prompt_token_ids=prompts)
+
+
+def generate(path, prompts, params=GREEDY, device="cpu", **options):
+    """`run` in float32 (greedy equality is exact arithmetic, not a bf16 near-tie lottery) -> (llm, token ids)."""
+    llm, outs = run(path, prompts, params, device=device, dtype="float32", **options)
+    return llm, [o.token_ids for o in outs]
 
 
 def make_tiny_checkpoint(path, arch="qwen3", tie=False, num_kv_heads=2, vocab=256, max_pos=512, sharded=False,

@@ -1,7 +1,6 @@
 """acceptance.py: the repetitiveness measures, and `--no-repeat-ngram` (the same N-gram ban on the drafter's and the
 verifier's logits, so that speculation stays lossless with respect to the banned target)."""
-from conftest import GREEDY
-from nano_sparsespec import LLM
+from conftest import generate
 from nano_sparsespec.acceptance import no_repeat_ngram, repeated_ngram_share, repeated_run_share
 
 
@@ -12,22 +11,17 @@ def test_repetitiveness_measures():
     assert repeated_run_share([1, 2, 1, 2, 1, 2], run=2) == (4, 6)
 
 
-def generate(path, prompts, method, **options):
-    llm = LLM(str(path), method=method, dtype="float32", **options)
-    return llm, [o.token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
-
-
 def test_no_repeat_ngram_bans_repeats_in_drafts_and_verification(tiny_qwen3, prompts):
     """A tiny random model loops; with repeated 3-grams banned its greedy output has none, greedy speculation equals
     plain decoding under the ban, and the `full` drafter (the target model itself) still has every draft accepted:
     drafts and verification rows, read out in the same steps, see the same ban."""
-    _, looping = generate(tiny_qwen3[0], prompts, "plain")
+    _, looping = generate(tiny_qwen3[0], prompts, method="plain")
     assert sum(repeated_ngram_share(t, 3)[0] for t in looping) > 0          # the ban has something to do
     with no_repeat_ngram(3):
-        _, plain = generate(tiny_qwen3[0], prompts, "plain")
-        _, pillar = generate(tiny_qwen3[0], prompts, "pillar", stride=4, min_budget=8, budget_ratio=0.1,
+        _, plain = generate(tiny_qwen3[0], prompts, method="plain")
+        _, pillar = generate(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, budget_ratio=0.1,
                              batch_policy="balanced")
-        full, _ = generate(tiny_qwen3[0], prompts, "full", stride=4, batch_policy="balanced")
+        full, _ = generate(tiny_qwen3[0], prompts, method="full", stride=4, batch_policy="balanced")
     assert all(repeated_ngram_share(t, 3)[0] == 0 for t in plain)
     assert pillar == plain
     stats = full.last_stats

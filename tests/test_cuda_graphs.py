@@ -11,18 +11,12 @@ eager against eager is tests/test_engine.py."""
 import pytest
 import torch
 
-from conftest import GREEDY
-from nano_sparsespec import LLM, SamplingParams, pillar_attn
+from conftest import generate
+from nano_sparsespec import SamplingParams, pillar_attn
 from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 from nano_sparsespec.runner import ModelRunner
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def generate(path, prompts, params=GREEDY, device="cpu", **options):
-    # fp32 on both devices: greedy equality is exact arithmetic, not a bf16 near-tie lottery
-    llm = LLM(str(path), device=device, dtype="float32", **options)
-    return llm, [o.token_ids for o in llm.generate(None, params, prompt_token_ids=prompts)]
 
 
 def test_bucket_sizes():

@@ -6,8 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import GREEDY
-from nano_sparsespec import LLM
+from conftest import run
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.pillar_attn import lookup_positions, merge_lookup, select_pillar
 from nano_sparsespec.runner import ModelRunner
@@ -120,11 +119,6 @@ def test_default_lookup_matches():
 
 # ----------------------------------------------------------------------------------------------------------------------
 # losslessness end to end
-
-
-def run(path, prompts, **spec):
-    llm = LLM(str(path), **spec)
-    return llm, llm.generate(None, GREEDY, prompt_token_ids=prompts)
 
 
 @pytest.mark.parametrize("stride", [1, 4, 8])

@@ -6,15 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import GREEDY
+from conftest import GREEDY, run
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.runner import StepResult
-
-
-def run(path, prompts, params=GREEDY, **spec):
-    llm = LLM(str(path), **spec)
-    return llm, llm.generate(None, params, prompt_token_ids=prompts)
 
 
 def test_batch_equals_each_prompt_alone(tiny_qwen3, prompts, plain_greedy):
