@@ -392,6 +392,13 @@ def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: t
 # 64 / 128 plain decoding rows 40.4 / 51.8 -> 22.2 / 45.1. Up to 36 blocks: 16 verifications 59.1 -> 29.3 (4 chunks)
 # and 27.2 (6), 128 plain rows 85.2 -> 74.2 and 72.6 (69.8 at 3).
 PAGED_CHUNK = 512
+# The decoding kernel's Triton settings. torch's default on the H200 (sm_90) is one pipeline stage and 2 warps (its
+# heuristic picks 3 stages for sm_90, and the `else` of the next test sets 1 again, in torch 2.11 and 2.13): with one
+# stage a block's loads do not overlap the previous block's math. Two stages, measured on one layer
+# (benchmarks/h200/session13/flex_options.py, us per call, default -> these): 128 plain rows 47.1 -> 31.8 (contexts
+# up to 1,300) and 73.4 -> 52.9 (up to 2,300); 16 / 32 verifications 25.4 / 29.5 -> 19.7 / 23.8. The best setting
+# of those tried was within 1.6 us of this one everywhere.
+PAGED_KERNEL_OPTIONS = {"num_stages": 2, "num_warps": 2}
 
 
 def prepare(ctx: AttentionContext, group: int) -> None:
@@ -461,7 +468,7 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
                                     mask_mod=visible, seq_lengths=(group * Q, pool_slots), compute_q_blocks=False)
 
 
-def paged_attention(q, k_layer, v_layer, block_mask):
+def paged_attention(q, k_layer, v_layer, block_mask, kernel_options: dict = PAGED_KERNEL_OPTIONS):
     """q: [B, Q, n_heads, D]; k_layer, v_layer: [slots, n_kv, D] one layer's pool -> [B, Q, n_heads, D].
 
     The G query heads of a KV head are packed into G x Q rows (as `dense_attention` does for SDPA): flex_attention
@@ -469,7 +476,8 @@ def paged_attention(q, k_layer, v_layer, block_mask):
     embedded model's is 3). That kernel's tiles are at most one pool block: blocks of 16 positions made it slower
     than gather + SDPA on the H200, blocks of 64 1.7x faster (benchmarks/h200/session5/paged.py). A block mask
     made with splits S > 1 has B * S entries, one per chunk of a context: the chunks' outputs are averaged weighted
-    by the softmax of their logsumexps, which is attention over the whole context."""
+    by the softmax of their logsumexps, which is attention over the whole context. `kernel_options` go to the
+    compiled kernel (`PAGED_KERNEL_OPTIONS`; the uncompiled reference ignores them)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     B, Q = q.shape[:2]
@@ -477,10 +485,11 @@ def paged_attention(q, k_layer, v_layer, block_mask):
     packed = _pack_groups(q, k_layer.shape[1])                                        # [B, n_kv, G*Q, D]
     splits = block_mask.kv_num_blocks.shape[0] // B
     if splits == 1:
-        return _unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask), Q)
+        return _unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask,
+                                             kernel_options=kernel_options), Q)
     # one request per chunk of each request's context (`paged_block_mask`), merged by their logsumexps
     out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values, block_mask=block_mask,
-                              return_aux=AuxRequest(lse=True))                        # [B * S, n_kv, G*Q, D]
+                              return_aux=AuxRequest(lse=True), kernel_options=kernel_options)   # [B * S, n_kv, G*Q, D]
     # [B, S, n_kv, G*Q]; a row that sees nothing (a padding request's) has no finite logsumexp: weights 0, out 0
     weight = aux.lse.view(B, splits, *packed.shape[1:3]).softmax(dim=1).nan_to_num()
     out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)  # [B, n_kv, G*Q, D]
