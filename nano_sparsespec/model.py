@@ -40,6 +40,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x plus a sublayer's output delta, and that sum RMS-normalised: [..., dim] each. One fused
+    kernel when compiled, where eagerly the add is a kernel of its own (two per layer)."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim/2] -> x rotated (rotate-half convention)."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -53,7 +61,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_ops = {"rms_norm": rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
+_ops = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
 _eager_ops = dict(_ops)
 
 
@@ -75,6 +83,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ops["rms_norm"](x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the sum normalised); x as it is when there is no delta yet (the first layer's input)."""
+        if delta is None:
+            return x, self(x)
+        return _ops["add_rms_norm"](x, delta, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -155,9 +169,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, rope, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden] before the previous layer's MLP output delta was added (None at the
+        first layer) -> this layer's (x, delta). Each add is fused into the norm that follows it."""
+        x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rope, ctx))
+        return x, self.mlp(h)
 
 
 class CausalLM(nn.Module):
@@ -178,11 +195,12 @@ class CausalLM(nn.Module):
         rope = self.rope(positions)                                          # cos, sin: [T, 1, head_dim/2]
         if ctx is not None:
             pillar_attn.prepare(ctx, self.config.num_heads // self.config.num_kv_heads)
+        delta = None
         for layer in self.layers:
-            x = layer(x, rope, ctx)
+            x, delta = layer(x, delta, rope, ctx)
         if ctx is not None:
             pillar_attn.finish(ctx)                                          # the layers' PillarAttn scores
-        return self.norm(x)
+        return self.norm.add_forward(x, delta)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in float32 (sampling and verification want full precision)
