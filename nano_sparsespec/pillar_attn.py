@@ -17,9 +17,9 @@ Owns
     in the last prefill chunk (the same score machinery, one query row instead of k + 1).
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
-  * `compile_kernels()`: the optional torch.compile'd variant of the PillarAttn score pass and the sparse draft kernel
-    (same math, float tolerance); dense attention runs torch's fused SDPA over gathered K/V, or, with
-    `compile_kernels(paged=True)` (the GPU), `paged_attention`: compiled flex_attention reading the pool in place
+  * `compile_kernels()`: the optional torch.compile'd variant of the K/V write, the PillarAttn score pass and the
+    sparse draft kernel (same math, float tolerance); dense attention runs torch's fused SDPA over gathered K/V, or,
+    with `compile_kernels(paged=True)` (the GPU), `paged_dense`: compiled flex_attention reading the pool in place
     through a block mask that `prepare` builds once per step, long contexts cut into chunks (`PAGED_CHUNK`).
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
@@ -76,26 +76,24 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
                                              v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True)
         return out.transpose(0, 1)
-    ctx.k_cache[layer][ctx.slot_mapping] = k
-    ctx.v_cache[layer][ctx.slot_mapping] = v
+    _kernels["store"](ctx.k_cache[layer], ctx.v_cache[layer], ctx.slot_mapping, k, v)
     out = torch.zeros_like(q)   # zeros, not empty: a padded step (cuda_graphs.py) has rows no batch writes
     if ctx.dense is not None:
         d = ctx.dense
-        # Gathered a whole block at a time (block_size x n_kv x D contiguous elements per index): on the H200 this
-        # copy runs 8x faster than one index per (position, KV head) (benchmarks/h200/session3/dense_gather.py).
-        Bd, Lmax = d.mask.shape[0], d.mask.shape[2]
-        blocks = ctx.k_cache.shape[1] // ctx.block_size
-
-        def gathered(cache):                                                           # [Bd, Lmax, n_kv, D]
-            return gather_rows(cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *k.shape[1:])
-        queries = q[d.q_index]                                                         # [Bd, Qmax, n_heads, D]
         if d.block_mask is None:
-            dense_out, _ = dense_attention(queries, gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask)
+            # Gathered a whole block at a time (block_size x n_kv x D contiguous elements per index): on the H200
+            # this copy runs 8x faster than one index per (position, KV head) (h200/session3/dense_gather.py).
+            Bd, Lmax = d.mask.shape[0], d.mask.shape[2]
+            blocks = ctx.k_cache.shape[1] // ctx.block_size
+
+            def gathered(cache):                                                       # [Bd, Lmax, n_kv, D]
+                return gather_rows(cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *k.shape[1:])
+            dense_out, _ = dense_attention(q[d.q_index], gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask)
+            out[d.q_index.flatten()] = dense_out.flatten(0, 1)    # padding queries all land in the padding row
         else:   # paged kernel: attention reads the pool in place
-            dense_out = _kernels["paged"](queries, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
-        out[d.q_index.flatten()] = dense_out.flatten(0, 1)        # padding queries all land in the padding row
+            _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
         if d.score_weight is not None:
-            d.score_queries[layer] = queries                  # scored with every other layer's, in `finish`
+            d.score_queries[layer] = q[d.q_index]       # [Bd, Qmax, n_heads, D]: scored with all layers' in `finish`
     if ctx.sparse is not None:
         s = ctx.sparse
         head_dim = q.shape[-1]
@@ -143,6 +141,16 @@ def _runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
         else:
             runs.append((layer, 1))
     return runs
+
+
+def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write the step's keys and values into one layer's pool: k_layer, v_layer [slots, n_kv, D]; slots [T];
+    k, v [T, n_kv, D]. Compiled (`compile_kernels`), both writes are one kernel instead of two. (The layer's pool is
+    passed in, not the whole cache and a layer number: compiled, a write into a slice of an input copied the whole
+    slice out and back.)"""
+    k_layer[slots] = k
+    v_layer[slots] = v
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -250,34 +258,35 @@ def sparse_attention(q, k_rows, v_rows, index, valid):
 
 
 # The kernels `attend` calls; "paged" is None unless the paged path is on (see `prepare`).
-_kernels = {"scores": pillar_scores, "sparse": sparse_attention, "paged": None}
+_kernels = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_attention, "paged": None}
 
 
 def compile_kernels(paged: bool = False) -> None:
-    """Swap in torch.compile'd versions of the score pass and the sparse kernel (dynamic shapes; same results within
-    float tolerance), and with `paged` the paged dense kernels (static shapes: flex_attention's decoding kernel wants
-    them; one compilation per padded step shape, hence the higher recompile limit). Made for the GPU: the compiled
-    sparse kernel (gathers + matmuls) runs a 112-draft step's 30 layers in 0.90 ms on the H200 against 2.96 eager and
-    2.37 for a fused form of elementwise products that the compiler turned into two reductions (what this used
+    """Swap in torch.compile'd versions of the K/V write, the score pass and the sparse kernel (dynamic shapes; same
+    results within float tolerance), and with `paged` the paged dense kernels (static shapes: flex_attention's decoding
+    kernel wants them; one compilation per padded step shape, hence the higher recompile limit). Made for the GPU: the
+    compiled sparse kernel (gathers + matmuls) runs a 112-draft step's 30 layers in 0.90 ms on the H200 against 2.96
+    eager and 2.37 for a fused form of elementwise products that the compiler turned into two reductions (what this used
     until session 6: benchmarks/h200/session6/sparse_kernel.py); on the CPU compiled kernels were not faster
     (step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged kernel's verification shape
-    (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is gather + SDPA (compiled, SDPA
-    ran 2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session)."""
+    (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is gather + SDPA (compiled, SDPA ran
+    2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session)."""
+    _kernels["store"] = torch.compile(store_kv, dynamic=True)
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        _kernels["paged"] = torch.compile(paged_attention, dynamic=False)
+        _kernels["paged"] = torch.compile(paged_dense, dynamic=False)
 
 
 def use_eager_kernels() -> None:
-    _kernels.update(scores=pillar_scores, sparse=sparse_attention, paged=None)
+    _kernels.update(store=store_kv, scores=pillar_scores, sparse=sparse_attention, paged=None)
 
 
 def use_paged_reference() -> None:
     """The paged path with uncompiled flex_attention (torch's reference math over the whole pool: tiny pools only),
     so the CPU tests check the block mask that the compiled GPU kernel relies on."""
-    _kernels["paged"] = paged_attention
+    _kernels["paged"] = paged_dense
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -466,6 +475,14 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     q_tile = -(-group * Q // 128) * 128
     return BlockMask.from_kv_blocks(*listed(used & ~full), *listed(full), BLOCK_SIZE=(q_tile, block_size),
                                     mask_mod=visible, seq_lengths=(group * Q, pool_slots), compute_q_blocks=False)
+
+
+def paged_dense(out, q, q_index, k_layer, v_layer, block_mask) -> None:
+    """The dense batch's paged attention, from and into the step's token rows: out[q_index] = paged attention of
+    q[q_index]. out, q: [T, n_heads, D]; q_index: [Bd, Qmax]. Compiled as one function, the queries' gather fuses
+    with the kernel's packing of them, and the output's scatter with the merge of the chunks: two kernels per layer
+    fewer than gathering and scattering around a compiled `paged_attention`."""
+    out[q_index.flatten()] = paged_attention(q[q_index], k_layer, v_layer, block_mask).flatten(0, 1)
 
 
 def paged_attention(q, k_layer, v_layer, block_mask, kernel_options: dict = PAGED_KERNEL_OPTIONS):

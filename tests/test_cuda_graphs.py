@@ -80,10 +80,10 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
     monkeypatch.setattr(pillar_attn, "PAGED_CHUNK", chunk)
     calls, splits = [], []
 
-    def counted(q, k_layer, v_layer, block_mask):
-        calls.append(q.shape[1])                        # query rows per request: 1 plain decoding, k + 1 verification
-        splits.append(block_mask.kv_num_blocks.shape[0] // q.shape[0])                  # chunks per context
-        return pillar_attn.paged_attention(q, k_layer, v_layer, block_mask)
+    def counted(out, q, q_index, k_layer, v_layer, block_mask):
+        calls.append(q_index.shape[1])                  # query rows per request: 1 plain decoding, k + 1 verification
+        splits.append(block_mask.kv_num_blocks.shape[0] // q_index.shape[0])            # chunks per context
+        pillar_attn.paged_dense(out, q, q_index, k_layer, v_layer, block_mask)
     monkeypatch.setitem(pillar_attn._kernels, "paged", counted)
     _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
     _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,

@@ -532,15 +532,26 @@ def test_compiled_kernels_match_eager():
     sparse_args = (sq, *pool_rows(sK, sV, torch.randint(0, 8, (3, N_KV, 6), generator=g), svalid), svalid)
     eager_out, eager_scores = dense_attention(q, k, v, mask, weight)
     eager_sparse = sparse_attention(*sparse_args)
+    # the K/V write into one layer of a pool of 4: q | k | v side by side as the model's projection lays them out
+    pool_k, pool_v = torch.zeros(2, 4, 16, N_KV, D).unbind(0)
+    qkv, slots = torch.randn(5, H + 2 * N_KV, D, generator=g), torch.tensor([3, 9, 0, 15, 7])
+    k_new, v_new = qkv[:, H:H + N_KV], qkv[:, H + N_KV:]
 
     pa.compile_kernels()
     try:
-        assert pa._kernels["scores"] is not pillar_scores and pa._kernels["sparse"] is not sparse_attention
+        assert all(pa._kernels[name] is not eager for name, eager in
+                   [("store", pa.store_kv), ("scores", pillar_scores), ("sparse", sparse_attention)])
         out, scores = dense_attention(q, k, v, mask, weight)      # SDPA + the compiled score pass
         sparse_out = pa._kernels["sparse"](*sparse_args)
+        pa._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
     finally:
         pa.use_eager_kernels()
     assert torch.allclose(out[q_valid], eager_out[q_valid], atol=1e-4)
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out, eager_sparse, atol=1e-4)
+    written = torch.zeros(4, 16, dtype=torch.bool)
+    written[2, slots] = True
+    assert torch.equal(pool_k[2, slots], k_new) and torch.equal(pool_v[2, slots], v_new)
+    assert not pool_k[~written].any() and not pool_v[~written].any()          # no other slot or layer touched
     assert pa._kernels["scores"] is pillar_scores and pa._kernels["sparse"] is sparse_attention
+    assert pa._kernels["store"] is pa.store_kv
