@@ -555,3 +555,36 @@ def test_compiled_kernels_match_eager():
     assert not pool_k[~written].any() and not pool_v[~written].any()          # no other slot or layer touched
     assert pa._kernels["scores"] is pillar_scores and pa._kernels["sparse"] is sparse_attention
     assert pa._kernels["store"] is pa.store_kv
+
+
+@pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
+def test_compiled_paged_kernel_is_compiled_once_per_dense_batch():
+    """The compiled paged kernel (`compile_kernels(paged=True)`, static shapes) writes what the reference writes into
+    the step's rows, and steps that differ only in their token count (their sparse drafts) share one compilation.
+    (Plain decoding rows only: torch's CPU compiler has no logsumexp, which chunked contexts need.)"""
+    from torch._dynamo.utils import counters
+    B, block = 4, 16
+    pool_slots = (B * 4 + 1) * block
+    g = torch.Generator().manual_seed(11)
+    k_pool, v_pool = torch.randn(2, pool_slots, N_KV, D, generator=g).unbind(0)
+    block_table = torch.randperm(B * 4, generator=g).view(B, 4)
+    q_start, q_valid = torch.tensor([40, 50, 20, 63]), torch.ones(B, 1, dtype=torch.bool)
+    mask = torch.arange(4 * block)[None, None] <= q_start[:, None, None]                 # [B, 1, 64]
+    block_mask = pa.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G)
+    q_index = torch.tensor([[0], [2], [3], [5]])                                          # the dense rows of the step
+    steps = [torch.randn(T, H, D, generator=g) for T in (7, 9, 12)]                      # 7, 9, 12 token rows
+    expected = []
+    for q in steps:
+        expected.append(torch.zeros_like(q))
+        pa.paged_dense(expected[-1], q, q_index, k_pool, v_pool, block_mask)
+    counters.clear()
+    pa.compile_kernels(paged=True)
+    try:
+        for q, reference in zip(steps, expected):
+            out = torch.zeros_like(q)
+            pa._kernels["paged"](out, q, q_index, k_pool, v_pool, block_mask)
+            assert torch.allclose(out, reference, atol=1e-5)
+            assert not out[[1, 4, 6]].any()                                    # rows of no dense request: untouched
+    finally:
+        pa.use_eager_kernels()
+    assert counters["stats"]["unique_graphs"] == 1
