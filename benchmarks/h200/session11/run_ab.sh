@@ -1,11 +1,12 @@
-# Session 11: one call compares two versions of the engine on the same machine (machine instances differ by ~30% in
-# host speed, so figures from different calls do not compare). The base version is an extracted commit:
-#   mkdir -p .gpu/base && git archive <commit> nano_sparsespec benchmarks/h200/session6 | tar -x -C .gpu/base
-# carried with the call (carry: .gpu/base). Rebuilds the GGUF once per machine (part_aa staged by an earlier call,
-# part_ab carried), then: PYTEST=1 the CUDA tests of this checkout; SPLIT="mode ..." engine_split for ORDER (default
-# "base head"; head = this checkout), each version in its own process; ROWS_T="0.6" the rows of this
-# checkout (ROWS, NREQ, TOKENS, EXTRA as in session10/run_b.sh); PROFILE="mode ..." (session 12) engine_profile.py
-# of this checkout with --by-source (eager steps, kernels grouped by the package functions that launched them).
+# Session 11: one call compares versions of the engine on the same machine (machine instances differ by ~30% in
+# host speed, so figures from different calls do not compare). A version other than this checkout ("head") is an
+# extracted commit, carried with the call (carry: .gpu/NAME):
+#   mkdir -p .gpu/NAME && git archive <commit> nano_sparsespec benchmarks/h200/session6 | tar -x -C .gpu/NAME
+# Rebuilds the GGUF once per machine (part_aa staged by an earlier call, part_ab carried), then: PYTEST=1 the CUDA
+# tests of this checkout; SPLIT="mode ..." engine_split for each version of ORDER (default "base head"), each in its
+# own process; ROWS_T="0.6" the rows of this checkout (ROWS, NREQ, TOKENS, EXTRA as in session10/run_b.sh);
+# PROFILE="mode ..." (session 12) engine_profile.py of this checkout with PROFILE_FLAGS (default --by-source: eager
+# steps, kernels grouped by the package functions that launched them; "" profiles the CUDA-graph steps).
 set -o pipefail
 if [ ! -f /root/m/smollm2.gguf ]; then
   cp .gpu/part_ab /root/m/ && cat /root/m/part_aa /root/m/part_ab > /root/m/smollm2.gguf
@@ -21,7 +22,7 @@ if [ -n "$PYTEST" ]; then
 fi
 if [ -n "$SPLIT" ]; then
   for version in ${ORDER:-base head}; do
-    root=$HEAD; [ $version = base ] && root=$HEAD/.gpu/base
+    root=$HEAD; [ $version != head ] && root=$HEAD/.gpu/$version
     (cd $root && PYTHONPATH=$root:/root/site python benchmarks/h200/session6/engine_split.py --gguf $G \
       --tokens ${SPLIT_TOKENS:-1024} --warm-up 24 $SPLIT 2>&1 | grep -E "tok/s|ms/step|Error|error") \
       | tee $OUT/engine_split_${version}_call$call.txt
@@ -29,8 +30,8 @@ if [ -n "$SPLIT" ]; then
 fi
 if [ -n "$PROFILE" ]; then
   (cd benchmarks/h200/session6 && PYTHONPATH=$HEAD:/root/site python engine_profile.py --gguf $G --batch 128 \
-    --tokens 1024 --first 520 --steps 20 --rows 40 --by-source $PROFILE 2>&1 | grep -v -i warn) \
-    | tee $OUT/profile_by_source_call$call.txt
+    --tokens 1024 --first 520 --steps 20 --rows 40 ${PROFILE_FLAGS---by-source} $PROFILE 2>&1 | grep -v -i warn) \
+    | tee $OUT/profile_call$call.txt
 fi
 for T in $ROWS_T; do
   name=rows_call${call}_b128_n${NREQ:-128}_${TOKENS:-2048}_t${T}_kv1${TAG}
