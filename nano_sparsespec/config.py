@@ -170,7 +170,7 @@ class SpecConfig:
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
     block_size   tokens per KV block (64: the paged GPU kernel's tile is at most one block, and 16 made it slower
                  than gather + SDPA on the H200; pillar_attn.paged_attention)
-    prefill_chunk  prompt tokens per request per step (chunked prefill)
+    prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill)
     max_batch    requests running at once
     """
     method: str = "plain"
