@@ -13,6 +13,9 @@ default stream); its output is checked against S = 1's.
 SPLIT_KV divides each request's blocks: raw/flex_split_call{1,2}.txt; mask evaluation everywhere made that slower
 than full blocks at 32 x Q = 9.)
 
+Since session 13 the kernel runs with `pillar_attn.PAGED_KERNEL_OPTIONS` (two pipeline stages; the twelfth session's
+figures had torch's default, one) and the random batch comes from benchmarks/h200/paged_batch.py.
+
 Usage: python benchmarks/h200/session12/flex_split.py BATCH CONTEXT Q   (contexts spread over CONTEXT / 4 .. CONTEXT,
 a random pool block per block)"""
 import sys
@@ -24,35 +27,20 @@ from nano_sparsespec import pillar_attn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from graph_timing import replay_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
+from paged_batch import G, BLOCK, random_paged_batch  # noqa: E402  (benchmarks/h200/paged_batch.py)
 
 batch, context, Q = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-device, dtype = torch.device("cuda"), torch.bfloat16
-n_kv, G, D, bs, layers = 3, 3, 64, 64, 30
-torch.manual_seed(0)
-
-lengths = torch.randint(context // 4, context + 1, (batch,))                     # context incl. this step's Q rows
-nb = -(-context // bs)
-pool_blocks = batch * nb + 1
-slots = pool_blocks * bs
-k_pool = torch.randn(slots, n_kv, D, device=device, dtype=dtype)
-v_pool = torch.randn(slots, n_kv, D, device=device, dtype=dtype)
-block_table = torch.randperm(pool_blocks - 1)[:batch * nb].view(batch, nb).to(device)
-q = torch.randn(batch, Q, n_kv * G, D, device=device, dtype=dtype)
-q_start = (lengths - Q).to(device)
-q_valid = torch.ones(batch, Q, dtype=torch.bool, device=device)
-kv_pos = torch.arange(nb * bs, device=device)[None, None, :]
-mask = kv_pos <= (q_start[:, None] + torch.arange(Q, device=device))[:, :, None]   # [B, Q, L]
-
-
+layers = 30
+b = random_paged_batch(batch, context, Q)
+q, k_pool, v_pool, lengths, kv_bytes = b.q, b.k_pool, b.v_pool, b.lengths, b.kv_bytes
 attention = torch.compile(pillar_attn.paged_attention, dynamic=False)
 
-
-kv_bytes = int(lengths.sum()) * n_kv * D * 2 * k_pool.element_size()
 print(f"batch {batch}, Q {Q}, contexts {int(lengths.min())}..{int(lengths.max())} (mean {lengths.float().mean():.0f}),"
       f" K+V read per call {kv_bytes / 1e6:.1f} MB")
 reference = None
 for splits in (1, 2, 3, 4, 6, 8):
-    block_mask = pillar_attn.paged_block_mask(block_table, mask, q_start, q_valid, bs, slots, G, splits=splits)
+    block_mask = pillar_attn.paged_block_mask(b.block_table, b.mask, b.q_start, b.q_valid, BLOCK, b.slots, G,
+                                              splits=splits)
     out = attention(q, k_pool, v_pool, block_mask)
     if reference is None:
         reference = out

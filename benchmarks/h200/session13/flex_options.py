@@ -18,31 +18,21 @@ from nano_sparsespec import pillar_attn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from graph_timing import replay_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
+from paged_batch import G, BLOCK, random_paged_batch  # noqa: E402  (benchmarks/h200/paged_batch.py)
 
-device, dtype = torch.device("cuda"), torch.bfloat16
-n_kv, G, D, bs, layers = 3, 3, 64, 64, 30
+layers = 30
 SETTINGS = [None] + [dict(num_stages=s, num_warps=w) for s, w in itertools.product((2, 3, 4), (2, 4))]
 # (call 3 also tried BLOCK_N 32 at 1 and 2 stages: slower than 64 but for 1 stage and 2 warps, 43.4 against 47.1 us)
 torch._dynamo.config.recompile_limit = 1000       # one compilation per setting and shape
 
 
 def shape(batch: int, context: int, Q: int):
-    torch.manual_seed(0)
-    lengths = torch.randint(context // 4, context + 1, (batch,))
-    nb = -(-context // bs)
-    pool_blocks = batch * nb + 1
-    slots = pool_blocks * bs
-    k_pool = torch.randn(slots, n_kv, D, device=device, dtype=dtype)
-    v_pool = torch.randn(slots, n_kv, D, device=device, dtype=dtype)
-    block_table = torch.randperm(pool_blocks - 1)[:batch * nb].view(batch, nb).to(device)
-    q = torch.randn(batch, Q, n_kv * G, D, device=device, dtype=dtype)
-    q_start = (lengths - Q).to(device)
-    q_valid = torch.ones(batch, Q, dtype=torch.bool, device=device)
-    kv_pos = torch.arange(nb * bs, device=device)[None, None, :]
-    mask = kv_pos <= (q_start[:, None] + torch.arange(Q, device=device))[:, :, None]
-    splits = -(-nb // max(1, pillar_attn.PAGED_CHUNK // bs))
-    block_mask = pillar_attn.paged_block_mask(block_table, mask, q_start, q_valid, bs, slots, G, splits=splits)
-    kv_bytes = int(lengths.sum()) * n_kv * D * 2 * k_pool.element_size()
+    b = random_paged_batch(batch, context, Q)
+    nb = b.block_table.shape[1]
+    splits = -(-nb // max(1, pillar_attn.PAGED_CHUNK // BLOCK))
+    block_mask = pillar_attn.paged_block_mask(b.block_table, b.mask, b.q_start, b.q_valid, BLOCK, b.slots, G,
+                                              splits=splits)
+    q, k_pool, v_pool, lengths, kv_bytes = b.q, b.k_pool, b.v_pool, b.lengths, b.kv_bytes
     print(f"## batch {batch}, Q {Q}, contexts {int(lengths.min())}..{int(lengths.max())}, splits {splits}, "
           f"K+V per call {kv_bytes / 1e6:.1f} MB", flush=True)
     reference, results = None, []

@@ -10,6 +10,8 @@ MODE as in engine_split.py. Per mode: one short warm-up generation (compiles the
 `--by-source` (session 12): the steps run eagerly (no CUDA graphs: a replayed graph's kernels have no Python stack),
 and the top ops by CUDA time (CPU time on a CPU) are grouped by the package functions they ran from (each named by
 its file and the line of its `def`), so a kernel of the profile above can be traced to the code it comes from.
+On the H200 (session 13, call 2) it found no package frame for any op or kernel: the attribution works on the CPU
+only so far. With `--by-source`, steps run eagerly and without the paged kernel (it needs the CUDA-graph path).
 """
 import argparse
 import time
