@@ -45,6 +45,8 @@ class DenseBatch:
     mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
     q_start: torch.Tensor        # [Bd]              position of each request's first query row; `mask` is exactly:
                                  #                   position <= q_start + row, and (q_valid or position == 0)
+    runs: tuple = ()             # (first request, count, query rows) of the requests gather + SDPA attends together
+                                 #                   (a step's prefill chunks apart from the rest); () all at once
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by finish() when score_weight is set
     block_mask: object | None = None          # flex_attention BlockMask over the pool, set by `prepare` (paged kernels)
@@ -83,13 +85,17 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         if d.block_mask is None:
             # Gathered a whole block at a time (block_size x n_kv x D contiguous elements per index): on the H200
             # this copy runs 8x faster than one index per (position, KV head) (h200/session3/dense_gather.py).
-            Bd, Lmax = d.mask.shape[0], d.mask.shape[2]
+            Bd, Qmax, Lmax = d.mask.shape
             blocks = ctx.k_cache.shape[1] // ctx.block_size
 
-            def gathered(cache):                                                       # [Bd, Lmax, n_kv, D]
-                return gather_rows(cache[layer].view(blocks, -1), d.block_table).view(Bd, Lmax, *k.shape[1:])
-            dense_out, _ = dense_attention(q[d.q_index], gathered(ctx.k_cache), gathered(ctx.v_cache), d.mask)
-            out[d.q_index.flatten()] = dense_out.flatten(0, 1)    # padding queries all land in the padding row
+            def gathered(cache, table):                                                # [n, Lmax, n_kv, D]
+                return gather_rows(cache[layer].view(blocks, -1), table).view(-1, Lmax, *k.shape[1:])
+            for first, count, queries in d.runs or ((0, Bd, Qmax),):
+                rows = slice(first, first + count)
+                q_index = d.q_index[rows, :queries]                                    # [n, queries]
+                dense_out, _ = dense_attention(q[q_index], gathered(ctx.k_cache, d.block_table[rows]),
+                                               gathered(ctx.v_cache, d.block_table[rows]), d.mask[rows, :queries])
+                out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
         if d.score_weight is not None:

@@ -35,6 +35,31 @@ def test_greedy_speculation_is_lossless(tiny_qwen3, prompts, plain_greedy, metho
         assert llm.last_stats.offloads > 0 and llm.last_stats.restores == llm.last_stats.offloads
 
 
+def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, monkeypatch):
+    """A step that prefills some requests while others decode attends the chunks apart (`StepShape.dense_runs`): the
+    decoding requests are attended with their one query row, not padded to a chunk's. Output equals plain greedy
+    decoding."""
+    from nano_sparsespec import pillar_attn
+    from nano_sparsespec.runner import ModelRunner
+    attention, shape, steps = pillar_attn.dense_attention, ModelRunner._shape, []
+
+    def planned(self, plan):
+        kinds = [w.kind for w, _ in plan.dense]
+        steps.append({"decoding": kinds.count("verify"), "chunks": kinds.count("prefill"), "calls": set()})
+        return shape(self, plan)
+
+    def recorded(q, k, v, mask, score_weight=None):
+        steps[-1]["calls"].add(tuple(q.shape[:2]))                  # (requests, query rows) of one attention call
+        return attention(q, k, v, mask, score_weight)
+    monkeypatch.setattr(ModelRunner, "_shape", planned)
+    monkeypatch.setattr(pillar_attn, "dense_attention", recorded)
+    _, outs = run(tiny_qwen3[0], prompts, method="plain", max_batch=5, block_size=16, prefill_chunk=32)
+    assert [o.token_ids for o in outs] == plain_greedy
+    mixed = [s for s in steps if s["decoding"] and s["chunks"]]
+    assert len(mixed) >= 3
+    assert all((s["decoding"], 1) in s["calls"] and len(s["calls"]) == 2 for s in mixed)
+
+
 @pytest.mark.parametrize("stride", [1, 4, 8])
 def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
     _, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=stride, min_budget=8, budget_ratio=0.1)
