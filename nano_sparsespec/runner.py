@@ -233,7 +233,8 @@ class ModelRunner:
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
         # Prefill chunks (listed last) are attended apart from the step's other dense requests, which would otherwise
         # be padded to a chunk's query rows (~130 for 1). On the CPU, 128 requests on a tiny 30-layer model: the
-        # steps that carry chunks took 409 ms on average, 91 attended apart (the mask is still built padded).
+        # steps that carry chunks took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py; the
+        # mask is still built padded).
         chunks = [w.num_tokens for w in dense if w.kind == "prefill"]
         others = len(dense) - len(chunks)
         runs = ((0, others, max(w.num_tokens for w in dense[:others])), (others, len(chunks), max(chunks))) \
