@@ -119,26 +119,30 @@ def finish(ctx: AttentionContext) -> None:
     Layer by layer, the score pass was ~8 small kernels per layer (its matmuls, reductions and the key gather): on
     the GPU they cost more in launches than in work. Here the layers go through it together, as a batch of
     layers x requests: one gather of their keys, then the same kernels once per chunk of layers. Same math per
-    (layer, request) as `pillar_scores` of that layer alone. Fills ctx.dense.scores [L, Bd, n_kv, Lmax]."""
+    (layer, request) as `pillar_scores` of that layer alone; requests in runs (`DenseBatch.runs`) are scored run by
+    run, each padded to its own query count. Fills ctx.dense.scores [L, Bd, n_kv, Lmax]."""
     d = ctx.dense
     if d is None or not d.score_queries:
         return
     queries, d.score_queries = d.score_queries, {}
-    Bd, Q, Lmax = d.mask.shape
+    Bd, Qmax, Lmax = d.mask.shape
     _, slots, n_kv, D = ctx.k_cache.shape
     blocks = slots // ctx.block_size
     G = next(iter(queries.values())).shape[2] // n_kv
-    layer_bytes = Bd * Lmax * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)     # keys + logits (float)
-    for first, n in _runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
-        q = torch.stack([queries[layer] for layer in range(first, first + n)]).flatten(0, 1)   # [n*Bd, Q, H, D]
-        k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, d.block_table.flatten())
-        k = k.view(n * Bd, Lmax, n_kv, D)                                                    # [n*Bd, Lmax, n_kv, D]
-        mask = d.mask.expand(n, -1, -1, -1).flatten(0, 1)                                    # [n*Bd, Q, Lmax]
-        weight = d.score_weight.expand(n, -1, -1).flatten(0, 1)                              # [n*Bd, Q]
-        d.scores[first:first + n] = _kernels["scores"](q, k, mask, weight).view(n, Bd, n_kv, Lmax)
+    for first_request, B, Q in d.runs or ((0, Bd, Qmax),):       # a step's prefill chunks apart, as `attend` does
+        requests = slice(first_request, first_request + B)
+        layer_bytes = B * Lmax * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)  # keys + logits (float)
+        for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
+            q = torch.stack([queries[layer][requests, :Q] for layer in range(first, first + n)])
+            k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, d.block_table[requests].flatten())
+            k = k.view(n * B, Lmax, n_kv, D)                                                 # [n*B, Lmax, n_kv, D]
+            mask = d.mask[requests, :Q].expand(n, -1, -1, -1).flatten(0, 1)                  # [n*B, Q, Lmax]
+            weight = d.score_weight[requests, :Q].expand(n, -1, -1).flatten(0, 1)            # [n*B, Q]
+            scores = _kernels["scores"](q.flatten(0, 1), k, mask, weight)                    # [n*B, n_kv, Lmax]
+            d.scores[first:first + n, requests] = scores.view(n, B, n_kv, Lmax)
 
 
-def _runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
+def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
     """Sorted layer ids -> (first, count) of runs of consecutive ids, each at most `longest` long."""
     runs = []
     for layer in layers:

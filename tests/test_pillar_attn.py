@@ -358,7 +358,7 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
     from conftest import make_tiny_checkpoint
     from nano_sparsespec.model import load_model
 
-    assert pa._runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 1), (4, 2)]
+    assert pa._layer_runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 1), (4, 2)]
     path, _ = make_tiny_checkpoint(tmp_path, "qwen3")
     model = load_model(path)
     cfg = model.config
@@ -388,6 +388,44 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
     torch.testing.assert_close(together, one_by_one, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(together.sum(-1), torch.ones(cfg.num_layers, 2, cfg.num_kv_heads))
     assert (together[..., 3:] == 0).all()               # nothing beyond the context
+
+
+def test_runs_attend_and_score_as_one_batch(tmp_path):
+    """A dense batch attended in runs (a step's prefill chunks apart from its decoding requests: `DenseBatch.runs`)
+    gives the outputs and the PillarAttn scores of the same batch attended at once, padded to its longest query
+    count."""
+    from conftest import make_tiny_checkpoint
+    from nano_sparsespec.model import load_model
+
+    model = load_model(make_tiny_checkpoint(tmp_path, "qwen3")[0])
+    cfg = model.config
+    Lmax = 8
+    # request 0 decodes one token at position 2 (row 0); request 1 prefills positions 0..2 (rows 1-3), its last
+    # chunk; row 4 is the step's padding row. Blocks of 4 slots; slot 16 (block 4) takes the padding row's K/V.
+    ids = torch.randint(0, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([2, 0, 1, 2, 0])
+    q_index, q_valid = torch.tensor([[0, 4, 4], [1, 2, 3]]), torch.tensor([[True, False, False], [True] * 3])
+    q_start = torch.tensor([2, 0])
+    kv = torch.arange(Lmax)[None, None, :]
+    q_pos = (q_start[:, None] + torch.arange(3))[:, :, None]
+    mask = (kv <= q_pos) & (q_valid[:, :, None] | (kv == 0))
+    weight = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    k_cache = torch.randn(cfg.num_layers, 20, cfg.num_kv_heads, cfg.head_dim,
+                          generator=torch.Generator().manual_seed(4))
+
+    def forward(runs):
+        dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), mask, q_start, runs=runs,
+                           score_weight=weight, scores=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, Lmax))
+        ctx = AttentionContext(k_cache.clone(), k_cache.clone(), torch.tensor([6, 12, 13, 14, 16]), 4, dense=dense)
+        with torch.inference_mode():
+            hidden = model(ids, positions, ctx)
+        return hidden[:4], dense.scores
+
+    (hidden, scores), (hidden_runs, scores_runs) = forward(()), forward(((0, 1, 1), (1, 1, 3)))
+    torch.testing.assert_close(hidden_runs, hidden)
+    torch.testing.assert_close(scores_runs, scores)
+    assert (scores.sum(-1) - 1).abs().max() < 1e-5
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # Critical-token selection
