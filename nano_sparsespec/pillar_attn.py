@@ -88,13 +88,14 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
             Bd, Qmax, Lmax = d.mask.shape
             blocks = ctx.k_cache.shape[1] // ctx.block_size
 
-            def gathered(cache, table):                                                # [n, Lmax, n_kv, D]
+            def gathered(cache, table):                                                # [B, Lmax, n_kv, D]
                 return gather_rows(cache[layer].view(blocks, -1), table).view(-1, Lmax, *k.shape[1:])
-            for first, count, queries in d.runs or ((0, Bd, Qmax),):
-                rows = slice(first, first + count)
-                q_index = d.q_index[rows, :queries]                                    # [n, queries]
-                dense_out, _ = dense_attention(q[q_index], gathered(ctx.k_cache, d.block_table[rows]),
-                                               gathered(ctx.v_cache, d.block_table[rows]), d.mask[rows, :queries])
+            for first, B, Q in d.runs or ((0, Bd, Qmax),):   # a step's prefill chunks apart from its other requests
+                requests = slice(first, first + B)
+                q_index = d.q_index[requests, :Q]                                      # [B, Q]
+                table = d.block_table[requests]
+                dense_out, _ = dense_attention(q[q_index], gathered(ctx.k_cache, table), gathered(ctx.v_cache, table),
+                                               d.mask[requests, :Q])
                 out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
@@ -129,7 +130,7 @@ def finish(ctx: AttentionContext) -> None:
     _, slots, n_kv, D = ctx.k_cache.shape
     blocks = slots // ctx.block_size
     G = next(iter(queries.values())).shape[2] // n_kv
-    for first_request, B, Q in d.runs or ((0, Bd, Qmax),):       # a step's prefill chunks apart, as `attend` does
+    for first_request, B, Q in d.runs or ((0, Bd, Qmax),):      # a step's prefill chunks apart, as in `attend`
         requests = slice(first_request, first_request + B)
         layer_bytes = B * Lmax * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)  # keys + logits (float)
         for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):

@@ -232,9 +232,9 @@ class ModelRunner:
         # costs a whole token's work: 2x for a batch of one on a CPU, so steps without padding have none)
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
         # Prefill chunks (listed last) are attended apart from the step's other dense requests, which would otherwise
-        # be padded to a chunk's query rows (~130 for 1). On the CPU, 128 requests on a tiny 30-layer model: the
-        # steps that carry chunks took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py; the
-        # mask is still built padded).
+        # be padded to a chunk's query rows (a decoding request's 1 row to ~130 in the benchmark below). On the CPU,
+        # 128 requests on a tiny 30-layer model: the steps that carry chunks took 385 ms on average, 86-93 attended
+        # apart (benchmarks/cpu/prefill_steps.py). The mask is still built padded, [Bd, Qmax, Lmax].
         chunks = [w.num_tokens for w in dense if w.kind == "prefill"]
         others = len(dense) - len(chunks)
         runs = ((0, others, max(w.num_tokens for w in dense[:others])), (others, len(chunks), max(chunks))) \
