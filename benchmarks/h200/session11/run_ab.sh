@@ -18,7 +18,7 @@ G=/root/m/smollm2.gguf
 HEAD=$PWD
 if [ -n "$PYTEST" ]; then
   PYTHONPATH=$HEAD:/root/site python -m pytest -q -x tests/test_cuda_graphs.py tests/test_verifier.py \
-    tests/test_engine.py -k "cuda or Cuda or CUDA or graph or fetch" 2>&1 | tail -2 | tee $OUT/pytest_cuda_call$call.txt
+    tests/test_pillar_attn.py tests/test_engine.py -k "cuda or Cuda or CUDA or graph or fetch" 2>&1 | tail -2 | tee $OUT/pytest_cuda_call$call.txt
 fi
 if [ -n "$SPLIT" ]; then
   for version in ${ORDER:-base head}; do
