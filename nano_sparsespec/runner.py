@@ -71,9 +71,11 @@ class StepPlan:
 
     @staticmethod
     def of(works: list[Work], method: str) -> "StepPlan":
-        plan, row = StepPlan(works), 0
+        plan, row, chunks = StepPlan(works), 0, []
         for w in works:
-            if w.kind != "draft" or method == "full":
+            if w.kind == "prefill":
+                chunks.append((w, row))
+            elif w.kind != "draft" or method == "full":
                 plan.dense.append((w, row))
             else:
                 plan.sparse.append((w, row))
@@ -83,7 +85,7 @@ class StepPlan:
                 plan.checks.append((w, row))
                 plan.num_drafts.append(w.num_tokens - 1 if w.kind == "verify" else 0)
             row += w.num_tokens
-        plan.dense.sort(key=lambda work_row: work_row[0].kind == "prefill")      # prefill chunks last (`dense_runs`)
+        plan.dense += chunks                             # prefill chunks attend densely too, listed last (`dense_runs`)
         return plan
 
 
