@@ -36,21 +36,30 @@ from .device import to_device
 
 @dataclass
 class DenseBatch:
-    """Requests that attend densely this step, padded to Qmax query tokens and Lmax context positions."""
+    """Requests that attend densely this step, padded to Qmax query tokens and Lmax context positions, in runs."""
     q_index: torch.Tensor        # [Bd, Qmax]        row of each query token in the step's flat token list; padding
                                  #                   queries read and write the step's padding row (its last)
     q_valid: torch.Tensor        # [Bd, Qmax]  bool  real query (False: padding)
     block_table: torch.Tensor    # [Bd, Lmax / block] pool blocks holding each request's context, in order; Lmax is
                                  #                   whole blocks (padding columns: any valid block, masked)
-    mask: torch.Tensor           # [Bd, Qmax, Lmax] bool  query may attend to position (causal and in range)
-    q_start: torch.Tensor        # [Bd]              position of each request's first query row; `mask` is exactly:
-                                 #                   position <= q_start + row, and (q_valid or position == 0)
-    runs: tuple = ()             # (first request, count, query rows) of the requests gather + SDPA attends together
-                                 #                   (a step's prefill chunks apart from the rest); () all at once
+    q_start: torch.Tensor        # [Bd]              position of each request's first query row
+    runs: tuple                  # ((first request, count, mask), ...) the requests attended together, each run with
+                                 #   its own mask [count, Q, L] bool = `causal_mask` of its requests: Q its query rows,
+                                 #   L <= Lmax its context. One run of the whole batch, or a step's prefill chunks apart
+                                 #   from its other requests and from each other by length (runner.StepShape.dense_runs)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by finish() when score_weight is set
     block_mask: object | None = None          # flex_attention BlockMask over the pool, set by `prepare` (paged kernels)
-    score_queries: dict = field(default_factory=dict)   # layer -> its queries [Bd, Qmax, n_heads, D], until finish()
+    score_queries: dict = field(default_factory=dict)   # layer -> its queries, one [count, Q, n_heads, D] per run,
+                                                        #   until finish()
+
+
+def causal_mask(q_start: torch.Tensor, q_valid: torch.Tensor, context: int) -> torch.Tensor:
+    """q_start: [B]; q_valid: [B, Q] bool -> [B, Q, context] bool: query row q of request b sees the positions up to
+    q_start[b] + q; a padding row sees position 0 alone (a finite softmax; its output is discarded)."""
+    kv_pos = torch.arange(context, device=q_valid.device)[None, None, :]                 # [1, 1, L]
+    q_pos = (q_start[:, None] + torch.arange(q_valid.shape[1], device=q_valid.device))[:, :, None]   # [B, Q, 1]
+    return (kv_pos <= q_pos) & (q_valid[:, :, None] | (kv_pos == 0))
 
 
 @dataclass
@@ -85,22 +94,21 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
         if d.block_mask is None:
             # Gathered a whole block at a time (block_size x n_kv x D contiguous elements per index): on the H200
             # this copy runs 8x faster than one index per (position, KV head) (h200/session3/dense_gather.py).
-            Bd, Qmax, Lmax = d.mask.shape
             blocks = ctx.k_cache.shape[1] // ctx.block_size
 
-            def gathered(cache, table):                                                # [B, Lmax, n_kv, D]
-                return gather_rows(cache[layer].view(blocks, -1), table).view(-1, Lmax, *k.shape[1:])
-            for first, B, Q in d.runs or ((0, Bd, Qmax),):   # a step's prefill chunks apart from its other requests
-                requests = slice(first, first + B)
+            def gathered(cache, table):                                                # [B, L, n_kv, D]
+                return gather_rows(cache[layer].view(blocks, -1), table).view(table.shape[0], -1, *k.shape[1:])
+            for first, B, mask in d.runs:
+                (_, Q, L), requests = mask.shape, slice(first, first + B)
                 q_index = d.q_index[requests, :Q]                                      # [B, Q]
-                table = d.block_table[requests]
+                table = d.block_table[requests, :L // ctx.block_size]
                 dense_out, _ = dense_attention(q[q_index], gathered(ctx.k_cache, table), gathered(ctx.v_cache, table),
-                                               d.mask[requests, :Q])
+                                               mask)
                 out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
-        if d.score_weight is not None:
-            d.score_queries[layer] = q[d.q_index]       # [Bd, Qmax, n_heads, D]: scored with all layers' in `finish`
+        if d.score_weight is not None:      # scored with all layers' in `finish`
+            d.score_queries[layer] = [q[d.q_index[first:first + B, :mask.shape[1]]] for first, B, mask in d.runs]
     if ctx.sparse is not None:
         s = ctx.sparse
         head_dim = q.shape[-1]
@@ -121,26 +129,26 @@ def finish(ctx: AttentionContext) -> None:
     the GPU they cost more in launches than in work. Here the layers go through it together, as a batch of
     layers x requests: one gather of their keys, then the same kernels once per chunk of layers. Same math per
     (layer, request) as `pillar_scores` of that layer alone; requests in runs (`DenseBatch.runs`) are scored run by
-    run, each padded to its own query count. Fills ctx.dense.scores [L, Bd, n_kv, Lmax]."""
+    run, each with its own query rows and context. Fills ctx.dense.scores [L, Bd, n_kv, Lmax] (0 beyond a run's
+    context)."""
     d = ctx.dense
     if d is None or not d.score_queries:
         return
     queries, d.score_queries = d.score_queries, {}
-    Bd, Qmax, Lmax = d.mask.shape
     _, slots, n_kv, D = ctx.k_cache.shape
     blocks = slots // ctx.block_size
-    G = next(iter(queries.values())).shape[2] // n_kv
-    for first_request, B, Q in d.runs or ((0, Bd, Qmax),):      # a step's prefill chunks apart, as in `attend`
-        requests = slice(first_request, first_request + B)
-        layer_bytes = B * Lmax * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)  # keys + logits (float)
+    G = next(iter(queries.values()))[0].shape[2] // n_kv                               # query heads per KV head
+    for run, (first_request, B, mask) in enumerate(d.runs):
+        (_, Q, L), requests = mask.shape, slice(first_request, first_request + B)
+        table = d.block_table[requests, :L // ctx.block_size].flatten()
+        layer_bytes = B * L * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)      # keys + logits (float)
         for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
-            q = torch.stack([queries[layer][requests, :Q] for layer in range(first, first + n)])
-            k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, d.block_table[requests].flatten())
-            k = k.view(n * B, Lmax, n_kv, D)                                                 # [n*B, Lmax, n_kv, D]
-            mask = d.mask[requests, :Q].expand(n, -1, -1, -1).flatten(0, 1)                  # [n*B, Q, Lmax]
+            q = torch.stack([queries[layer][run] for layer in range(first, first + n)])  # [n, B, Q, n_heads, D]
+            k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, table)
+            k = k.view(n * B, L, n_kv, D)                                                    # [n*B, L, n_kv, D]
             weight = d.score_weight[requests, :Q].expand(n, -1, -1).flatten(0, 1)            # [n*B, Q]
-            scores = _kernels["scores"](q.flatten(0, 1), k, mask, weight)                    # [n*B, n_kv, Lmax]
-            d.scores[first:first + n, requests] = scores.view(n, B, n_kv, Lmax)
+            scores = _kernels["scores"](q.flatten(0, 1), k, mask.expand(n, -1, -1, -1).flatten(0, 1), weight)
+            d.scores[first:first + n, requests, :, :L] = scores.view(n, B, n_kv, L)          # [n*B, n_kv, L]
 
 
 def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
@@ -438,12 +446,13 @@ PAGED_KERNEL_OPTIONS = {"num_stages": 2, "num_warps": 2}
 def prepare(ctx: AttentionContext, group: int) -> None:
     """Once per forward, before the layers: the block mask of the paged kernels, for dense batches whose G x Qmax
     packed rows (`group` query heads per KV head) fit flex_attention's decoding kernel (plain decoding,
-    verification); prefill chunks keep gather + SDPA."""
+    verification) and that attend as one run; prefill chunks keep gather + SDPA."""
     d = ctx.dense
-    if _kernels["paged"] is None or d is None or group * d.mask.shape[1] >= 128:
+    if _kernels["paged"] is None or d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return
+    (_, _, mask), = d.runs
     blocks, chunk_blocks = d.block_table.shape[1], max(1, PAGED_CHUNK // ctx.block_size)
-    d.block_mask = paged_block_mask(d.block_table, d.mask, d.q_start, d.q_valid, ctx.block_size,
+    d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, splits=-(-blocks // chunk_blocks))
 
 

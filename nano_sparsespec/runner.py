@@ -56,7 +56,8 @@ class StepShape:
     check_drafts: int            # M: drafts per check (its logit rows: M + 1)
     draft_flags: tuple           # SamplingTensors.host_flags of the drafts' requests, as items
     check_flags: tuple           # ... and of the checks' requests
-    dense_runs: tuple = ()       # (first, count, query rows) of dense requests attended apart; () all together
+    dense_runs: tuple = ()       # (first, count, query rows, blocks) of dense requests attended apart (a step's
+                                 #   prefill chunks: `ModelRunner._dense_runs`); () all together
 
 
 @dataclass
@@ -85,7 +86,8 @@ class StepPlan:
                 plan.checks.append((w, row))
                 plan.num_drafts.append(w.num_tokens - 1 if w.kind == "verify" else 0)
             row += w.num_tokens
-        plan.dense += chunks                             # prefill chunks attend densely too, listed last (`dense_runs`)
+        # prefill chunks attend densely too, listed last and longest first (`ModelRunner._dense_runs`)
+        plan.dense += sorted(chunks, key=lambda chunk: -chunk[0].num_tokens)
         return plan
 
 
@@ -233,14 +235,6 @@ class ModelRunner:
         # dense requests shorter than the longest have padding queries, which need a padding row (a padding row
         # costs a whole token's work: 2x for a batch of one on a CPU, so steps without padding have none)
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
-        # Prefill chunks (listed last) are attended apart from the step's other dense requests, which would otherwise
-        # be padded to a chunk's query rows (a decoding request's 1 row to ~130 in the benchmark below). On the CPU,
-        # 128 requests on a tiny 30-layer model: the steps that carry chunks took 385 ms on average, 86-93 attended
-        # apart (benchmarks/cpu/prefill_steps.py). The mask is still built padded, [Bd, Qmax, Lmax].
-        chunks = [w.num_tokens for w in dense if w.kind == "prefill"]
-        others = len(dense) - len(chunks)
-        runs = ((0, others, max(w.num_tokens for w in dense[:others])), (others, len(chunks), max(chunks))) \
-            if chunks and others else ()
         flags = verifier.SamplingTensors.host_flags
         return StepShape(
             tokens=sum(w.num_tokens for w in plan.works) + has_padding,
@@ -255,7 +249,29 @@ class ModelRunner:
             drafts=len(plan.drafts), checks=len(plan.checks), check_drafts=max(plan.num_drafts, default=0),
             draft_flags=tuple(flags([w.seq.params for w, _ in plan.drafts]).items()) if plan.drafts else (),
             check_flags=tuple(flags([w.seq.params for w, _ in plan.checks]).items()) if plan.checks else (),
-            dense_runs=runs)
+            dense_runs=self._dense_runs(dense))
+
+    def _dense_runs(self, dense: list[Work]) -> tuple:
+        """(first, count, query rows, context blocks) of the runs a step's dense requests attend in, each padded to
+        its own longest query count and context; () when they attend as one batch (no prefill chunk beside others).
+
+        A step's prefill chunks (listed last, longest first) are attended apart from its other dense requests, which
+        would otherwise be padded to a chunk's query rows (a decoding request's 1 row to ~130 in the benchmark
+        below), and apart from each other wherever a chunk is less than half the longest of its run, so that a run
+        pads at most 2x its query rows. On the CPU, 128 requests on a tiny 30-layer model: the steps that carry chunks
+        took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py)."""
+        chunks = sum(w.kind == "prefill" for w in dense)
+        first_chunk = len(dense) - chunks
+        runs = [[0, first_chunk]] if first_chunk else []
+        for i in range(first_chunk, len(dense)):
+            if i == first_chunk or 2 * dense[i].num_tokens < dense[runs[-1][0]].num_tokens:
+                runs.append([i, 0])
+            runs[-1][1] += 1
+        if len(runs) < 2:
+            return ()
+        bs = self.cache.block_size
+        return tuple((first, n, max(w.num_tokens for w in dense[first:first + n]),
+                      -(-max(w.start + w.num_tokens for w in dense[first:first + n]) // bs)) for first, n in runs)
 
     def _padding(self, shape: StepShape) -> dict[str, int]:
         """What each list's padding entries hold. They compute harmless finite values and write only scratch places:
@@ -481,11 +497,11 @@ class ModelRunner:
         qi = torch.arange(Q, device=self.device)
         q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
         q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)   # padding: the pad row
-        kv_pos = torch.arange(L, device=self.device)[None, None, :]                     # [1, 1, Lmax]
-        q_pos = (starts[:, None] + qi)[:, :, None]                                      # [Bd, Qmax, 1]
-        mask = (kv_pos <= q_pos) & (q_valid[:, :, None] | (kv_pos == 0))                # causal; padding sees 0
         block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]          # [Bd, Lmax / block]
-        batch = DenseBatch(q_index, q_valid, block_table, mask, starts, runs=shape.dense_runs)
+        runs = tuple((first, n, pillar_attn.causal_mask(starts[first:first + n], q_valid[first:first + n, :q],
+                                                        blocks * self.cache.block_size))
+                     for first, n, q, blocks in shape.dense_runs or ((0, shape.dense_batch, Q, shape.dense_blocks),))
+        batch = DenseBatch(q_index, q_valid, block_table, starts, runs)
         if shape.scores:
             rule = dev["score_rows"][:, None]                                           # [Bd, 1]
             rows = q_valid & ((rule == 1) | ((rule == 2) & (qi[None, :] == (q_lens - 1)[:, None])))

@@ -37,19 +37,20 @@ def test_greedy_speculation_is_lossless(tiny_qwen3, prompts, plain_greedy, metho
 
 def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, monkeypatch):
     """A step that prefills some requests while others decode attends the chunks apart (`StepShape.dense_runs`): the
-    decoding requests are attended with their one query row, not padded to a chunk's. Output equals plain greedy
-    decoding."""
+    decoding requests are attended with their one query row, not padded to a chunk's, and the chunks in runs that pad
+    at most 2x their query rows. Output equals plain greedy decoding."""
     from nano_sparsespec import pillar_attn
     from nano_sparsespec.runner import ModelRunner
     attention, shape, steps = pillar_attn.dense_attention, ModelRunner._shape, []
 
     def planned(self, plan):
         kinds = [w.kind for w, _ in plan.dense]
-        steps.append({"decoding": kinds.count("verify"), "chunks": kinds.count("prefill"), "calls": set()})
+        steps.append({"decoding": kinds.count("verify"), "calls": [],
+                      "chunks": [w.num_tokens for w, _ in plan.dense if w.kind == "prefill"]})
         return shape(self, plan)
 
     def recorded(q, k, v, mask, score_weight=None):
-        steps[-1]["calls"].add(tuple(q.shape[:2]))                  # (requests, query rows) of one attention call
+        steps[-1]["calls"].append(tuple(q.shape[:2]))                   # (requests, query rows) of one call
         return attention(q, k, v, mask, score_weight)
     monkeypatch.setattr(ModelRunner, "_shape", planned)
     monkeypatch.setattr(pillar_attn, "dense_attention", recorded)
@@ -57,7 +58,32 @@ def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, mo
     assert [o.token_ids for o in outs] == plain_greedy
     mixed = [s for s in steps if s["decoding"] and s["chunks"]]
     assert len(mixed) >= 3
-    assert all((s["decoding"], 1) in s["calls"] and len(s["calls"]) == 2 for s in mixed)
+    layers = tiny_qwen3[1].config.num_hidden_layers
+    assert any(len(s["calls"]) > 2 * layers for s in mixed)             # chunks of unlike lengths apart too
+    for s in mixed:
+        decoding, *chunk_runs = s["calls"][:len(s["calls"]) // layers]  # the first layer's
+        assert decoding == (s["decoding"], 1)
+        assert sum(n for n, _ in chunk_runs) == len(s["chunks"])
+        assert sum(n * q for n, q in chunk_runs) <= 2 * sum(s["chunks"])
+
+
+def test_dense_runs_group_prefill_chunks_by_length():
+    """`ModelRunner._dense_runs`: the other dense requests in one run, then the chunks (longest first) cut into runs
+    wherever a chunk is less than half its run's first; each run's query rows and context blocks are its own."""
+    from types import SimpleNamespace
+    from nano_sparsespec.runner import ModelRunner
+    from nano_sparsespec.scheduler import Work
+
+    def works(kind, spans):
+        return [Work(None, kind, start, n) for start, n in spans]
+    runner = SimpleNamespace(cache=SimpleNamespace(block_size=16))
+    decoding = works("verify", [(40, 1), (100, 9), (7, 1)])
+    chunks = works("prefill", [(0, 32), (64, 20), (0, 15), (0, 8), (16, 3)])
+    assert ModelRunner._dense_runs(runner, decoding + chunks) == (
+        (0, 3, 9, 7), (3, 2, 32, 6), (5, 2, 15, 1), (7, 1, 3, 2))
+    assert ModelRunner._dense_runs(runner, decoding) == ()
+    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 17)])) == ()
+    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 15)])) == ((0, 1, 32, 2), (1, 1, 15, 1))
 
 
 @pytest.mark.parametrize("stride", [1, 4, 8])

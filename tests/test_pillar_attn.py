@@ -238,7 +238,7 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
     mask &= q_valid[:, :, None] | (kv_pos[None, None, :] == 0)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
-    dense = DenseBatch(q_index, q_valid, block_table, mask, q_start=q_pos[:, 0],
+    dense = DenseBatch(q_index, q_valid, block_table, q_pos[:, 0], runs=((0, 2, mask),),
                        score_weight=weight, scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
@@ -341,8 +341,8 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
-    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), blocks[None],
-                       (pos[None, :] <= pos[:, None])[None], q_start=pos[:1])
+    dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), blocks[None], pos[:1],
+                       runs=((0, 1, (pos[None, :] <= pos[:, None])[None]),))
     ctx = AttentionContext(k_cache, v_cache, slots, 1, dense=dense)                  # blocks of one slot
     with torch.inference_mode():
         logits = model.logits(model(ids, pos, ctx))
@@ -374,8 +374,8 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
     def scores_with(chunk_bytes):
         monkeypatch.setattr(pa, "SCORE_CHUNK_BYTES", chunk_bytes)
         k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
-        dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), mask, q_start=torch.zeros(2),
-                           score_weight=weight, scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
+        dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), torch.zeros(2),
+                           runs=((0, 2, mask),), score_weight=weight, scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
         slots = torch.tensor([4, 5, 6, 12, 13, 14])
         ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense)
         with torch.inference_mode():
@@ -391,9 +391,9 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
 
 
 def test_runs_attend_and_score_as_one_batch(tmp_path):
-    """A dense batch attended in runs (a step's prefill chunks apart from its decoding requests: `DenseBatch.runs`)
-    gives the outputs and the PillarAttn scores of the same batch attended at once, padded to its longest query
-    count."""
+    """A dense batch attended in runs (a step's prefill chunks apart from its decoding requests: `DenseBatch.runs`),
+    each run with its own query rows and context, gives the outputs and the PillarAttn scores of the same batch
+    attended at once, padded to its longest query count and context."""
     from conftest import make_tiny_checkpoint
     from nano_sparsespec.model import load_model
 
@@ -409,19 +409,22 @@ def test_runs_attend_and_score_as_one_batch(tmp_path):
     kv = torch.arange(Lmax)[None, None, :]
     q_pos = (q_start[:, None] + torch.arange(3))[:, :, None]
     mask = (kv <= q_pos) & (q_valid[:, :, None] | (kv == 0))
+    assert torch.equal(pa.causal_mask(q_start, q_valid, Lmax), mask)
     weight = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     k_cache = torch.randn(cfg.num_layers, 20, cfg.num_kv_heads, cfg.head_dim,
                           generator=torch.Generator().manual_seed(4))
 
     def forward(runs):
-        dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), mask, q_start, runs=runs,
+        dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), q_start, runs=runs,
                            score_weight=weight, scores=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, Lmax))
         ctx = AttentionContext(k_cache.clone(), k_cache.clone(), torch.tensor([6, 12, 13, 14, 16]), 4, dense=dense)
         with torch.inference_mode():
             hidden = model(ids, positions, ctx)
         return hidden[:4], dense.scores
 
-    (hidden, scores), (hidden_runs, scores_runs) = forward(()), forward(((0, 1, 1), (1, 1, 3)))
+    # apart: request 0 with its one query row and both blocks, request 1 with its 3 rows and its first block alone
+    (hidden, scores), (hidden_runs, scores_runs) = forward(((0, 2, mask),)), forward(((0, 1, mask[:1, :1]),
+                                                                                      (1, 1, mask[1:, :, :4])))
     torch.testing.assert_close(hidden_runs, hidden)
     torch.testing.assert_close(scores_runs, scores)
     assert (scores.sum(-1) - 1).abs().max() < 1e-5
