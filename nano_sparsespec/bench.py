@@ -918,7 +918,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=8, help="k: draft steps per verification")
     p.add_argument("--budget-ratio", type=float, default=0.05)
     p.add_argument("--min-budget", type=int, default=128)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=SpecConfig.prefill_chunk)
     p.add_argument("--pillar-method", default="pillar", choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
                    help="drafter of the pillar-naive / +balanced / +offload / +async rows")
     p.add_argument("--kv-blocks", type=int, default=None,

@@ -170,7 +170,10 @@ class SpecConfig:
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
     block_size   tokens per KV block (64: the paged GPU kernel's tile is at most one block, and 16 made it slower
                  than gather + SDPA on the H200; pillar_attn.paged_attention)
-    prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill)
+    prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill). A step that
+                 carries chunks runs eagerly (no CUDA graph): on the H200 each cost ~30 ms of host time at 512 (19 of
+                 them to admit the benchmark's 128 prompts), so the budget is large; the chunks are attended in runs
+                 of like length (runner.ModelRunner._dense_runs), so a large budget does not pad them
     max_batch    requests running at once
     """
     method: str = "plain"
@@ -185,7 +188,7 @@ class SpecConfig:
     async_verify: bool = False
     kv_blocks: int | None = None
     block_size: int = 64
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     max_batch: int = 64
 
     def __post_init__(self):

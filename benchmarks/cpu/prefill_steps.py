@@ -1,8 +1,9 @@
 """The host-and-CPU time of the engine steps that carry prefill chunks, against the others, with many requests
-decoding beside the chunks (session 13: `StepShape.dense_runs`).
+decoding beside the chunks (session 13: `StepShape.dense_runs`; session 14: the chunks in runs of like length, and
+`--prefill-chunk`, whose default went from 512 to 2,048 prompt tokens per step).
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
-        PYTHONPATH=. python benchmarks/cpu/prefill_steps.py [--layers 30] [--batch 128] [--tokens 16]
+        PYTHONPATH=. python benchmarks/cpu/prefill_steps.py [--layers 30] [--batch 128] [--tokens 16] [--prefill-chunk N]
 
 The two glibc settings keep freed memory in the heap. Without them, how fast the decoding steps ran depended on
 what earlier steps had allocated: glibc raises its threshold for serving allocations by fresh (page-faulting)
@@ -12,7 +13,7 @@ the embedded model (8 x 256 rows on the CPU bench) the settings made no differen
 
 A random tiny Qwen3 with `--layers` layers (hidden 64: the work per step is small, so per-layer and per-request costs
 show), `--batch` prompts of 60-139 random tokens, plain decoding running ahead on the padded static-step code path
-(`cuda_graphs=True`, which a CPU runs eagerly), chunked prefill of 512 tokens per step. One untimed generation first,
+(`cuda_graphs=True`, which a CPU runs eagerly), chunked prefill of `--prefill-chunk` tokens per step. One untimed generation first,
 then each step's `ModelRunner.launch` timed (on a CPU it runs the step)."""
 import argparse
 import tempfile
@@ -22,6 +23,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from nano_sparsespec import LLM, SamplingParams
+from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.runner import ModelRunner
 
 
@@ -30,6 +32,7 @@ def main():
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=SpecConfig.prefill_chunk)
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -52,7 +55,7 @@ def main():
     with tempfile.TemporaryDirectory() as path:
         Qwen3ForCausalLM(cfg).save_pretrained(path)
         llm = LLM(path, device="cpu", dtype="float32", cuda_graphs=True, max_batch=args.batch, method="plain",
-                  async_verify=True)
+                  async_verify=True, prefill_chunk=args.prefill_chunk)
         llm.generate(None, params, prompt_token_ids=prompts)
         steps.clear()
         llm.generate(None, params, prompt_token_ids=prompts)
