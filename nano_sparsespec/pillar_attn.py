@@ -4,10 +4,10 @@ Owns
   * `attend(layer, q, k, v, ctx)`: the one attention call the model makes. It writes this step's K/V into the paged
     pool, then runs
       - dense attention for the requests whose tokens need the whole context (prefill chunks, verification, plain
-        decoding, the `full` drafter); when PillarAttn scores are wanted it keeps the layer's queries, and `finish`
-        (once per forward, after the layers) computes the scores of all layers in one batched pass: per (layer, KV
-        head), the attention probabilities averaged over chosen query rows and over the query heads of the GQA
-        group, over positions;
+        decoding, the `full` drafter), and the PillarAttn scores when wanted: per (layer, KV head), the attention
+        probabilities averaged over chosen query rows and over the query heads of the GQA group, over positions.
+        Gather + SDPA scores each layer from the keys it gathered; the paged kernel keeps the layer's queries, and
+        `finish` (once per forward, after the layers) scores all layers in one batched pass;
       - sparse attention for draft tokens: each draft query attends only to its gathered slots (the critical positions
         of its layer and KV head, plus every position written since the last verification).
     Both are batched over requests and heads: no Python loop over requests x layers x heads.
@@ -48,10 +48,11 @@ class DenseBatch:
                                  #   L <= Lmax its context. One run of the whole batch, or a step's prefill chunks apart
                                  #   from its other requests and from each other by length (runner.StepShape.dense_runs)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
-    scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled by finish() when score_weight is set
+    scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled when score_weight is set: by attend()
+                                              #   (gather + SDPA) or finish() (paged kernel)
     block_mask: object | None = None          # flex_attention BlockMask over the pool, set by `prepare` (paged kernels)
-    score_queries: dict = field(default_factory=dict)   # layer -> its queries, one [count, Q, n_heads, D] per run,
-                                                        #   until finish()
+    score_queries: dict = field(default_factory=dict)   # layer -> its queries [Bd, Qmax, n_heads, D], kept by the
+                                                        #   paged path until finish()
 
 
 def causal_mask(q_start: torch.Tensor, q_valid: torch.Tensor, context: int) -> torch.Tensor:
@@ -102,13 +103,18 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 (_, Q, L), requests = mask.shape, slice(first, first + B)
                 q_index = d.q_index[requests, :Q]                                      # [B, Q]
                 table = d.block_table[requests, :L // ctx.block_size]
-                dense_out, _ = dense_attention(q[q_index], gathered(ctx.k_cache, table), gathered(ctx.v_cache, table),
-                                               mask)
+                weight = None if d.score_weight is None else d.score_weight[requests, :Q]
+                # PillarAttn scores from the keys just gathered, not gathered again in `finish`: on the CPU a
+                # verification step of 8 x 1,024 took 664-674 ms against 732-824 (BENCHMARKS.md, CPU 14th session)
+                dense_out, scores = dense_attention(q[q_index], gathered(ctx.k_cache, table),
+                                                    gathered(ctx.v_cache, table), mask, weight)
                 out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
+                if scores is not None:
+                    d.scores[layer, requests, :, :L] = scores                          # [B, n_kv, L]
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
-        if d.score_weight is not None:      # scored with all layers' in `finish`
-            d.score_queries[layer] = [q[d.q_index[first:first + B, :mask.shape[1]]] for first, B, mask in d.runs]
+            if d.score_weight is not None:      # scored with all layers' in `finish`
+                d.score_queries[layer] = q[d.q_index]                                  # [Bd, Qmax, n_heads, D]
     if ctx.sparse is not None:
         s = ctx.sparse
         head_dim = q.shape[-1]
@@ -123,32 +129,31 @@ SCORE_CHUNK_BYTES = 1 << 30
 
 
 def finish(ctx: AttentionContext) -> None:
-    """Once per forward, after the layers: the PillarAttn scores of every layer whose queries `attend` kept.
+    """Once per forward, after the layers: the PillarAttn scores of every layer whose queries the paged path kept
+    (`attend`; gather + SDPA scores each layer from the keys it gathers).
 
     Layer by layer, the score pass was ~8 small kernels per layer (its matmuls, reductions and the key gather): on
     the GPU they cost more in launches than in work. Here the layers go through it together, as a batch of
     layers x requests: one gather of their keys, then the same kernels once per chunk of layers. Same math per
-    (layer, request) as `pillar_scores` of that layer alone; requests in runs (`DenseBatch.runs`) are scored run by
-    run, each with its own query rows and context. Fills ctx.dense.scores [L, Bd, n_kv, Lmax] (0 beyond a run's
-    context)."""
+    (layer, request) as `pillar_scores` of that layer alone. Fills ctx.dense.scores [L, Bd, n_kv, Lmax]."""
     d = ctx.dense
     if d is None or not d.score_queries:
         return
     queries, d.score_queries = d.score_queries, {}
+    (_, B, mask), = d.runs                                  # the paged kernel attends the batch as one run (`prepare`)
+    _, Q, L = mask.shape
     _, slots, n_kv, D = ctx.k_cache.shape
     blocks = slots // ctx.block_size
-    G = next(iter(queries.values()))[0].shape[2] // n_kv                               # query heads per KV head
-    for run, (first_request, B, mask) in enumerate(d.runs):
-        (_, Q, L), requests = mask.shape, slice(first_request, first_request + B)
-        table = d.block_table[requests, :L // ctx.block_size].flatten()
-        layer_bytes = B * L * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)      # keys + logits (float)
-        for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
-            q = torch.stack([queries[layer][run] for layer in range(first, first + n)])  # [n, B, Q, n_heads, D]
-            k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, table)
-            k = k.view(n * B, L, n_kv, D)                                                    # [n*B, L, n_kv, D]
-            weight = d.score_weight[requests, :Q].expand(n, -1, -1).flatten(0, 1)            # [n*B, Q]
-            scores = _kernels["scores"](q.flatten(0, 1), k, mask.expand(n, -1, -1, -1).flatten(0, 1), weight)
-            d.scores[first:first + n, requests, :, :L] = scores.view(n, B, n_kv, L)          # [n*B, n_kv, L]
+    G = next(iter(queries.values())).shape[2] // n_kv                                 # query heads per KV head
+    layer_bytes = B * L * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)          # keys + logits (float)
+    for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
+        q = torch.stack([queries[layer] for layer in range(first, first + n)])         # [n, B, Q, n_heads, D]
+        k = ctx.k_cache[first:first + n].view(n, blocks, -1).index_select(1, d.block_table.flatten())
+        k = k.view(n * B, L, n_kv, D)                                                    # [n*B, L, n_kv, D]
+        mask_n = mask.expand(n, -1, -1, -1).flatten(0, 1)                                # [n*B, Q, L]
+        weight = d.score_weight.expand(n, -1, -1).flatten(0, 1)                          # [n*B, Q]
+        scores = _kernels["scores"](q.flatten(0, 1), k, mask_n, weight)                  # [n*B, n_kv, L]
+        d.scores[first:first + n] = scores.view(n, B, n_kv, L)
 
 
 def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:

@@ -255,7 +255,8 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
 
     out = attend(layer, q, k, v, ctx)
     assert out.shape == (T, H, D)
-    assert (dense.scores == -1).all()           # scores wait for `finish`, which scores every layer attend kept
+    # gather + SDPA scores the layer from the keys it gathered; the paged path leaves it to `finish`
+    assert (dense.scores == -1).all() == paged and bool(dense.score_queries) == paged
     pa.finish(ctx)
 
     # K/V written at slot_mapping of this layer only; every other slot untouched
@@ -351,10 +352,12 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
 
 
 
-def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
-    """`finish` scores the layers together (chunks of consecutive layers, as many as SCORE_CHUNK_BYTES allows): the
-    same scores as one layer at a time (whose math test_attend_with_context_writes_cache_and_routes_rows checks), each
-    a distribution over the context; attend itself leaves them to finish."""
+@pytest.mark.parametrize("paged", [False, True], ids=["gather+sdpa", "paged"])
+def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged):
+    """On the paged path `finish` scores the layers together (chunks of consecutive layers, as many as
+    SCORE_CHUNK_BYTES allows): the same scores as one layer at a time (whose math
+    test_attend_with_context_writes_cache_and_routes_rows checks), and as gather + SDPA's, which scores each layer in
+    `attend`; each a distribution over the context."""
     from conftest import make_tiny_checkpoint
     from nano_sparsespec.model import load_model
 
@@ -371,8 +374,9 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
     mask = kv[None, None, :] <= torch.arange(3)[None, :, None].expand(2, 3, 1)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [0.0, 0.0, 1.0]])      # a verification, a last prefill chunk
 
-    def scores_with(chunk_bytes):
+    def scores_with(chunk_bytes, paged):
         monkeypatch.setattr(pa, "SCORE_CHUNK_BYTES", chunk_bytes)
+        pa.use_paged_reference() if paged else pa.use_eager_kernels()
         k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
         dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), torch.zeros(2),
                            runs=((0, 2, mask),), score_weight=weight, scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
@@ -380,12 +384,13 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch):
         ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense)
         with torch.inference_mode():
             model(ids, pos % 3, ctx)
-        assert not dense.score_queries                   # finish used what attend kept
+        assert (dense.block_mask is not None) == paged and not dense.score_queries   # finish used what attend kept
         return dense.scores
 
-    together, one_by_one = scores_with(1 << 30), scores_with(1)
+    together, one_by_one = scores_with(1 << 30, paged), scores_with(1, paged)
     assert cfg.num_layers > 1 and (together != -1).all()
     torch.testing.assert_close(together, one_by_one, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(together, scores_with(1 << 30, not paged), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(together.sum(-1), torch.ones(cfg.num_layers, 2, cfg.num_kv_heads))
     assert (together[..., 3:] == 0).all()               # nothing beyond the context
 
