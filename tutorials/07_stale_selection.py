@@ -71,8 +71,8 @@ def capture_rows():
     records, layers = [], []
     orig_scores, orig_select = pillar_attn._kernels["scores"], pillar_attn.select_pillar
 
-    def scores(q, k, mask, score_weight, *rest):      # called with layers x requests: here one request, so
-        _, _, H, D = q.shape                           # batch entry i is layer i (of this chunk of layers)
+    def scores(q, k, mask, score_weight, *rest):      # called per layer (gather + SDPA) or per chunk of layers
+        _, _, H, D = q.shape                           # (paged): with one request, batch entry i is the next layer
         n_kv = k.shape[2]
         for i in range(q.shape[0]):
             rows = score_weight[i].nonzero().flatten()                                         # scored rows
