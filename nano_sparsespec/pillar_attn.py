@@ -43,10 +43,12 @@ class DenseBatch:
     block_table: torch.Tensor    # [Bd, Lmax / block] pool blocks holding each request's context, in order; Lmax is
                                  #                   whole blocks (padding columns: any valid block, masked)
     q_start: torch.Tensor        # [Bd]              position of each request's first query row
-    runs: tuple                  # ((first request, count, mask), ...) the requests attended together, each run with
-                                 #   its own mask [count, Q, L] bool = `causal_mask` of its requests: Q its query rows,
-                                 #   L <= Lmax its context. One run of the whole batch, or a step's prefill chunks apart
-                                 #   from its other requests and from each other by length (runner.StepShape.dense_runs)
+    runs: tuple                  # ((first request, count, mask, prefill), ...) the requests attended together, each
+                                 #   run with its own mask [count, Q, L] bool = `causal_mask` of its requests: Q its
+                                 #   query rows, L <= Lmax its context; `prefill`: prefill chunks, whose last row alone
+                                 #   can be scored (a final chunk's). One run of the whole batch, or a step's prefill
+                                 #   chunks apart from its other requests and from each other by length
+                                 #   (runner.StepShape.dense_runs)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled when score_weight is set: by attend()
                                               #   (gather + SDPA) or finish() (paged kernel)
@@ -99,18 +101,25 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
 
             def gathered(cache, table):                                                # [B, L, n_kv, D]
                 return gather_rows(cache[layer].view(blocks, -1), table).view(table.shape[0], -1, *k.shape[1:])
-            for first, B, mask in d.runs:
+            for first, B, mask, prefill in d.runs:
                 (_, Q, L), requests = mask.shape, slice(first, first + B)
                 q_index = d.q_index[requests, :Q]                                      # [B, Q]
                 table = d.block_table[requests, :L // ctx.block_size]
-                weight = None if d.score_weight is None else d.score_weight[requests, :Q]
+                keys = gathered(ctx.k_cache, table)
+                dense_out, _ = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask)
+                out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
+                if d.score_weight is None:
+                    continue
                 # PillarAttn scores from the keys just gathered, not gathered again in `finish`: on the CPU a
                 # verification step of 8 x 1,024 took 664-674 ms against 732-824 (BENCHMARKS.md, CPU 14th session)
-                dense_out, scores = dense_attention(q[q_index], gathered(ctx.k_cache, table),
-                                                    gathered(ctx.v_cache, table), mask, weight)
-                out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
-                if scores is not None:
-                    d.scores[layer, requests, :, :L] = scores                          # [B, n_kv, L]
+                # A final prefill chunk scores its last row alone, so a chunk run scores no other row (all of an
+                # 1,800-token prompt's rows took 21 s more on the CPU than its prefill).
+                weight = d.score_weight[requests, :Q]                                  # [B, Q]
+                if prefill:
+                    last = d.q_valid[requests, :Q].sum(1, keepdim=True) - 1            # [B, 1] each chunk's last row
+                    q_index, weight = q_index.gather(1, last), weight.gather(1, last)  # [B, 1]
+                    mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))          # [B, 1, L]
+                d.scores[layer, requests, :, :L] = _kernels["scores"](q[q_index], keys, mask, weight)   # [B, n_kv, L]
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
             if d.score_weight is not None:      # scored with all layers' in `finish`
@@ -140,7 +149,7 @@ def finish(ctx: AttentionContext) -> None:
     if d is None or not d.score_queries:
         return
     queries, d.score_queries = d.score_queries, {}
-    (_, B, mask), = d.runs                                  # the paged kernel attends the batch as one run (`prepare`)
+    (_, B, mask, _), = d.runs                               # the paged kernel attends the batch as one run (`prepare`)
     _, Q, L = mask.shape
     _, slots, n_kv, D = ctx.k_cache.shape
     blocks = slots // ctx.block_size
@@ -455,7 +464,7 @@ def prepare(ctx: AttentionContext, group: int) -> None:
     d = ctx.dense
     if _kernels["paged"] is None or d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return
-    (_, _, mask), = d.runs
+    (_, _, mask, _), = d.runs
     blocks, chunk_blocks = d.block_table.shape[1], max(1, PAGED_CHUNK // ctx.block_size)
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, splits=-(-blocks // chunk_blocks))

@@ -56,8 +56,8 @@ class StepShape:
     check_drafts: int            # M: drafts per check (its logit rows: M + 1)
     draft_flags: tuple           # SamplingTensors.host_flags of the drafts' requests, as items
     check_flags: tuple           # ... and of the checks' requests
-    dense_runs: tuple = ()       # (first, count, query rows, blocks) of dense requests attended apart (a step's
-                                 #   prefill chunks: `ModelRunner._dense_runs`); () all together
+    dense_runs: tuple = ()       # (first, count, query rows, blocks, prefill) of the runs dense requests attend in,
+                                 #   in a step with prefill chunks (`ModelRunner._dense_runs`); () all together
 
 
 @dataclass
@@ -252,26 +252,28 @@ class ModelRunner:
             dense_runs=self._dense_runs(dense))
 
     def _dense_runs(self, dense: list[Work]) -> tuple:
-        """(first, count, query rows, context blocks) of the runs a step's dense requests attend in, each padded to
-        its own longest query count and context; () when they attend as one batch (no prefill chunk beside others).
+        """(first, count, query rows, context blocks, prefill) of the runs a step's dense requests attend in, each
+        padded to its own longest query count and context; () in a step without prefill chunks (one batch).
 
         A step's prefill chunks (listed last, longest first) are attended apart from its other dense requests, which
         would otherwise be padded to a chunk's query rows (a decoding request's 1 row to ~130 in the benchmark
         below), and apart from each other wherever a chunk is less than half the longest of its run, so that a run
         pads at most 2x its query rows. On the CPU, 128 requests on a tiny 30-layer model: the steps that carry chunks
-        took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py)."""
+        took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py). A run of chunks is marked
+        `prefill`: its PillarAttn scores come from each chunk's last row alone (pillar_attn.attend)."""
         chunks = sum(w.kind == "prefill" for w in dense)
+        if not chunks:
+            return ()
         first_chunk = len(dense) - chunks
         runs = [[0, first_chunk]] if first_chunk else []
         for i in range(first_chunk, len(dense)):
             if i == first_chunk or 2 * dense[i].num_tokens < dense[runs[-1][0]].num_tokens:
                 runs.append([i, 0])
             runs[-1][1] += 1
-        if len(runs) < 2:
-            return ()
         bs = self.cache.block_size
         return tuple((first, n, max(w.num_tokens for w in dense[first:first + n]),
-                      -(-max(w.start + w.num_tokens for w in dense[first:first + n]) // bs)) for first, n in runs)
+                      -(-max(w.start + w.num_tokens for w in dense[first:first + n]) // bs), first >= first_chunk)
+                     for first, n in runs)
 
     def _padding(self, shape: StepShape) -> dict[str, int]:
         """What each list's padding entries hold. They compute harmless finite values and write only scratch places:
@@ -499,8 +501,9 @@ class ModelRunner:
         q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)   # padding: the pad row
         block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]          # [Bd, Lmax / block]
         runs = tuple((first, n, pillar_attn.causal_mask(starts[first:first + n], q_valid[first:first + n, :q],
-                                                        blocks * self.cache.block_size))
-                     for first, n, q, blocks in shape.dense_runs or ((0, shape.dense_batch, Q, shape.dense_blocks),))
+                                                        blocks * self.cache.block_size), prefill)
+                     for first, n, q, blocks, prefill in shape.dense_runs
+                     or ((0, shape.dense_batch, Q, shape.dense_blocks, False),))
         batch = DenseBatch(q_index, q_valid, block_table, starts, runs)
         if shape.scores:
             rule = dev["score_rows"][:, None]                                           # [Bd, 1]

@@ -69,7 +69,8 @@ def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, mo
 
 def test_dense_runs_group_prefill_chunks_by_length():
     """`ModelRunner._dense_runs`: the other dense requests in one run, then the chunks (longest first) cut into runs
-    wherever a chunk is less than half its run's first; each run's query rows and context blocks are its own."""
+    wherever a chunk is less than half its run's first; each run's query rows and context blocks are its own, and
+    runs of chunks are marked `prefill`. A step without chunks attends as one batch (no runs)."""
     from types import SimpleNamespace
     from nano_sparsespec.runner import ModelRunner
     from nano_sparsespec.scheduler import Work
@@ -80,10 +81,11 @@ def test_dense_runs_group_prefill_chunks_by_length():
     decoding = works("verify", [(40, 1), (100, 9), (7, 1)])
     chunks = works("prefill", [(0, 32), (64, 20), (0, 15), (0, 8), (16, 3)])
     assert ModelRunner._dense_runs(runner, decoding + chunks) == (
-        (0, 3, 9, 7), (3, 2, 32, 6), (5, 2, 15, 1), (7, 1, 3, 2))
+        (0, 3, 9, 7, False), (3, 2, 32, 6, True), (5, 2, 15, 1, True), (7, 1, 3, 2, True))
     assert ModelRunner._dense_runs(runner, decoding) == ()
-    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 17)])) == ()
-    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 15)])) == ((0, 1, 32, 2), (1, 1, 15, 1))
+    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 17)])) == ((0, 2, 32, 2, True),)
+    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 15)])) == (
+        (0, 1, 32, 2, True), (1, 1, 15, 1, True))
 
 
 @pytest.mark.parametrize("stride", [1, 4, 8])

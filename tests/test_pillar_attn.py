@@ -238,7 +238,7 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < torch.tensor([5, 4])[:, None, None])
     mask &= q_valid[:, :, None] | (kv_pos[None, None, :] == 0)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
-    dense = DenseBatch(q_index, q_valid, block_table, q_pos[:, 0], runs=((0, 2, mask),),
+    dense = DenseBatch(q_index, q_valid, block_table, q_pos[:, 0], runs=((0, 2, mask, False),),
                        score_weight=weight, scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
     # sparse batch: one draft, S = 4 entries with the last one padding
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
@@ -343,7 +343,7 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(T)
     dense = DenseBatch(pos[None], torch.ones(1, T, dtype=torch.bool), blocks[None], pos[:1],
-                       runs=((0, 1, (pos[None, :] <= pos[:, None])[None]),))
+                       runs=((0, 1, (pos[None, :] <= pos[:, None])[None], True),))
     ctx = AttentionContext(k_cache, v_cache, slots, 1, dense=dense)                  # blocks of one slot
     with torch.inference_mode():
         logits = model.logits(model(ids, pos, ctx))
@@ -379,7 +379,8 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged
         pa.use_paged_reference() if paged else pa.use_eager_kernels()
         k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
         dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), torch.zeros(2),
-                           runs=((0, 2, mask),), score_weight=weight, scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
+                           runs=((0, 2, mask, False),), score_weight=weight,
+                           scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
         slots = torch.tensor([4, 5, 6, 12, 13, 14])
         ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense)
         with torch.inference_mode():
@@ -427,9 +428,10 @@ def test_runs_attend_and_score_as_one_batch(tmp_path):
             hidden = model(ids, positions, ctx)
         return hidden[:4], dense.scores
 
-    # apart: request 0 with its one query row and both blocks, request 1 with its 3 rows and its first block alone
-    (hidden, scores), (hidden_runs, scores_runs) = forward(((0, 2, mask),)), forward(((0, 1, mask[:1, :1]),
-                                                                                      (1, 1, mask[1:, :, :4])))
+    # apart: request 0 with its one query row and both blocks, request 1 with its 3 rows and its first block alone,
+    # as a run of prefill chunks (scored from its last row alone)
+    (hidden, scores) = forward(((0, 2, mask, False),))
+    (hidden_runs, scores_runs) = forward(((0, 1, mask[:1, :1], False), (1, 1, mask[1:, :, :4], True)))
     torch.testing.assert_close(hidden_runs, hidden)
     torch.testing.assert_close(scores_runs, scores)
     assert (scores.sum(-1) - 1).abs().max() < 1e-5
