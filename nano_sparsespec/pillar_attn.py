@@ -110,10 +110,9 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
                 if d.score_weight is None:
                     continue
-                # PillarAttn scores from the keys just gathered, not gathered again in `finish`: on the CPU a
-                # verification step of 8 x 1,024 took 664-674 ms against 732-824 (BENCHMARKS.md, CPU 14th session)
-                # A final prefill chunk scores its last row alone, so a chunk run scores no other row (all of an
-                # 1,800-token prompt's rows took 21 s more on the CPU than its prefill).
+                # PillarAttn scores from the keys just gathered, not gathered again in `finish` (on the CPU a
+                # verification step of 8 x 1,024: 664-674 ms against 732-824). A final prefill chunk scores its last
+                # row alone, so a chunk run scores no other (all of an 1,800-token prompt's rows cost 21 s on the CPU).
                 weight = d.score_weight[requests, :Q]                                  # [B, Q]
                 if prefill:
                     last = d.q_valid[requests, :Q].sum(1, keepdim=True) - 1            # [B, 1] each chunk's last row
