@@ -265,8 +265,8 @@ def score_sum(logits, lse, mask, score_weight):
     """The score pass's second stage: sum over the G x Q rows of weight / G x exp(logit - logsumexp) -> [B, n_kv, L].
 
     One row at a time: the sum runs over a non-contiguous dimension, and written as one reduction it was 2.8x slower
-    compiled on the H200 (128 x 6,144: 0.33 ms per layer against 0.12) and 2.4x slower eager on the CPU
-    (benchmarks/h200/session15/score_pass.py)."""
+    compiled on the H200 (128 x 6,144: 0.33 ms per layer against 0.12, benchmarks/h200/session15/score_pass.py). Eager
+    on the CPU both forms take the same time in a verification step (benchmarks/cpu/session15_verify_ops.txt)."""
     _, _, G, Q, _ = logits.shape
     total = 0
     for g in range(G):
