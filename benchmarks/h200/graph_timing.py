@@ -1,4 +1,6 @@
 """Timing GPU work the way the engine runs it with --cuda-graphs: recorded once as a CUDA graph, then replayed."""
+import time
+
 import torch
 
 
@@ -22,3 +24,14 @@ def replay_ms(run, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def timed_ms(run, device: str) -> float:
+    """Milliseconds of `run()`: a replayed CUDA graph on a GPU; on a CPU (a smoke test) one call by the clock after a
+    warm-up call."""
+    if device == "cuda":
+        return replay_ms(run)
+    run()
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) * 1e3

@@ -28,3 +28,15 @@ def random_paged_batch(batch: int, context: int, Q: int, device="cuda", dtype=to
     kv_bytes = int(lengths.sum()) * N_KV * D * 2 * k_pool.element_size()
     return SimpleNamespace(q=q, k_pool=k_pool, v_pool=v_pool, block_table=block_table, q_start=q_start,
                            q_valid=q_valid, mask=mask, slots=slots, lengths=lengths, kv_bytes=kv_bytes)
+
+
+def from_command_line(Q: int) -> SimpleNamespace:
+    """The batch a script's command line `BATCH CONTEXT [cuda|cpu]` asks for (bf16 on the GPU, float32 on the CPU),
+    with `device` set on it."""
+    import sys
+    batch, context = int(sys.argv[1]), int(sys.argv[2])
+    device = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] in ("cuda", "cpu") else "cuda"
+    b = random_paged_batch(batch, context, Q, device=device,
+                           dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    b.device = device
+    return b

@@ -1,5 +1,5 @@
 """Where a PillarAttn verification step's time goes beyond its attention, at long context: the score pass of `finish`
-(the keys gathered from the pool, then the compiled `pillar_attn.pillar_scores`) and the selection of the next
+(the keys gathered from the pool, then the compiled score pass `pillar_attn.pillar_scores`) and the selection of the next
 critical positions (`pillar_attn.select_pillar`: a stable sort of every (layer, request, KV head) row of scores).
 
 Why (fourteenth session, `bench --profile-steps --cuda-graphs --compile`, 128 x 6,144 on the H200): a verification
@@ -14,7 +14,6 @@ the same positions in the same order as the stable sort (checked here) while rea
 On a GPU each part is timed as a replayed CUDA graph (graph_timing.replay_ms); on a CPU (a smoke test) by the clock.
 """
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,19 +21,10 @@ import torch
 from nano_sparsespec import pillar_attn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from paged_batch import BLOCK, N_KV, random_paged_batch  # noqa: E402  (benchmarks/h200/paged_batch.py)
+from graph_timing import timed_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
+from paged_batch import BLOCK, N_KV, from_command_line  # noqa: E402  (benchmarks/h200/paged_batch.py)
 
 LAYERS, Q = 30, 9          # the embedded model's layers; k + 1 query rows per verification (k = 8)
-
-
-def timed_ms(run, device: str) -> float:
-    if device == "cuda":
-        from graph_timing import replay_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
-        return replay_ms(run)
-    run()
-    start = time.perf_counter()
-    run()
-    return (time.perf_counter() - start) * 1e3
 
 
 def select_by_topk(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -46,14 +36,12 @@ def select_by_topk(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def main():
-    batch, context = int(sys.argv[1]), int(sys.argv[2])
-    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    b = random_paged_batch(batch, context, Q, device=device, dtype=dtype)
+    b = from_command_line(Q)
+    batch, context, device = b.q.shape[0], int(sys.argv[2]), b.device
     blocks, L = b.k_pool.shape[0] // BLOCK, b.mask.shape[-1]
-    weight = torch.zeros(batch, Q, device=device)
-    weight[:, -1] = 1.0            # what a verification scores: the last row (`ModelRunner._dense_batch` rule 2)
-    scores_kernel = torch.compile(pillar_attn.pillar_scores, dynamic=True) if device == "cuda" else \
+    weight = b.q_valid.float() / Q     # a verification scores all its rows (`ModelRunner._dense_batch` rule 1)
+    # the engine's compiled score pass (`compile_kernels`; until the fifteenth session, pillar_scores compiled whole)
+    scores_kernel = pillar_attn._compiled_pillar_scores() if device == "cuda" else \
         pillar_attn.pillar_scores
     table = b.block_table.flatten()
 

@@ -17,7 +17,6 @@ unrolled row by row); the matmuls alone of each (what no form can go below); and
 Measured rows: BENCHMARKS.md, H200 fifteenth session.
 """
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,13 +24,15 @@ import torch
 from nano_sparsespec import pillar_attn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from paged_batch import BLOCK, N_KV, random_paged_batch  # noqa: E402  (benchmarks/h200/paged_batch.py)
+from graph_timing import timed_ms  # noqa: E402  (benchmarks/h200/graph_timing.py)
+from paged_batch import BLOCK, N_KV, from_command_line  # noqa: E402  (benchmarks/h200/paged_batch.py)
 
 Q = 9
 
 
 def session14_form(q, k, mask, score_weight):
-    """What the engine compiled until this session: one graph, per-head logits, the rows summed as one reduction."""
+    """What the engine compiled until this session: one graph, per-head logits, the rows summed as one reduction (its
+    logits now from this session's `attention_logits`, which scales q before the matmul rather than the logits)."""
     logits = pillar_attn.attention_logits(q, k, mask)                                  # [B, n_kv, G, Q, L]
     lse = logits.logsumexp(dim=-1, keepdim=True)
     weight = score_weight.float()[:, None, None, :, None] / logits.shape[2]
@@ -136,21 +137,9 @@ def matmuls_positions_first(q, k, mask, score_weight):
     return torch.stack([torch.bmm(k[:, :, h], packed[:, h].transpose(1, 2)) for h in range(k.shape[2])], dim=1)
 
 
-def timed_ms(run, device):
-    if device == "cuda":
-        from graph_timing import replay_ms  # noqa: E402
-        return replay_ms(run)
-    run()
-    start = time.perf_counter()
-    run()
-    return (time.perf_counter() - start) * 1e3
-
-
 def main():
-    batch, context = int(sys.argv[1]), int(sys.argv[2])
-    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    b = random_paged_batch(batch, context, Q, device=device, dtype=dtype)
+    b = from_command_line(Q)
+    batch, context, device = b.q.shape[0], int(sys.argv[2]), b.device
     blocks, L = b.k_pool.shape[0] // BLOCK, b.mask.shape[-1]
     keys = b.k_pool.view(blocks, -1).index_select(0, b.block_table.flatten()).view(batch, L, N_KV, -1)
     weight = b.q_valid.float() / Q                                  # a verification scores all its rows
