@@ -356,8 +356,8 @@ def _compiled_pillar_scores():
     (`scaled_products`). On the H200 at 128 x 6,144, per layer: the first stage 0.38 ms, the second 0.12; what this
     compiled before (one graph of the per-head form, the rows summed as one reduction) 0.75
     (benchmarks/h200/session15/score_pass.py). The first stage compiled per shape took 0.21 ms, but with it
-    SparseSpec's rows did not finish in 7 minutes, likely compiling once per padded step shape (BENCHMARKS.md, H200
-    fifteenth session)."""
+    SparseSpec's row had not finished when a 7-minute call ended, likely compiling once per padded step shape
+    (BENCHMARKS.md, H200 fifteenth session)."""
     logits = torch.compile(functools.partial(score_logits, one_matmul=True), dynamic=True)
     weighted_sum = torch.compile(score_sum, dynamic=True)
 
