@@ -264,15 +264,20 @@ def score_logits(q, k, mask, one_matmul: bool = False):
 def score_sum(logits, lse, mask, score_weight):
     """The score pass's second stage: sum over the G x Q rows of weight / G x exp(logit - logsumexp) -> [B, n_kv, L].
 
-    One row at a time: the sum runs over a non-contiguous dimension, and written as one reduction it was 2.8x slower
-    compiled on the H200 (128 x 6,144: 0.33 ms per layer against 0.12, benchmarks/h200/session15/score_pass.py). Eager
-    on the CPU both forms take the same time in a verification step (benchmarks/cpu/session15_verify_ops.txt)."""
-    _, _, G, Q, _ = logits.shape
+    Eager, one reduction over the whole [B, n_kv, G, Q, L]: a few kernels. Compiled, one row at a time, which becomes
+    the loads of one kernel: as one reduction over the non-contiguous G x Q dimension it ran 2.8x slower on the H200
+    (128 x 6,144: 0.33 ms per layer against 0.12, benchmarks/h200/session15/score_pass.py). (Eager, the row loop would
+    launch some G x Q x 6 kernels per layer; on the CPU both forms take the same time in a verification step,
+    benchmarks/cpu/session15_verify_ops.txt.)"""
+    G, Q = logits.shape[2], logits.shape[3]
+    weight = score_weight.float()[:, None, None, :, None] / G                          # [B, 1, 1, Q, 1]
+    if not torch.compiler.is_compiling():
+        return (torch.exp(masked_float(logits, mask[:, None, None]) - lse) * weight).sum(dim=(2, 3))
     total = 0
     for g in range(G):
         for row in range(Q):
             probs = torch.exp(masked_float(logits[:, :, g, row], mask[:, None, row]) - lse[:, :, g, row])
-            total = total + probs * (score_weight[:, row, None, None].float() / G)          # [B, n_kv, L]
+            total = total + probs * weight[:, :, 0, row]                               # [B, n_kv, L]
     return total
 
 
