@@ -248,8 +248,8 @@ def pillar_scores(q, k, mask, score_weight, one_matmul: bool = False):
     """Attention probabilities summed over query rows (weighted) and averaged over each GQA group -> [B, n_kv, L].
 
     Two stages, each compiled on its own by `compile_kernels`: the logits and each row's logsumexp (`score_logits`),
-    then exp(logit - logsumexp) summed over the rows (`score_sum`). No [B, n_kv, G, Q, L] probability tensor is
-    written; the logits stay in the model's dtype between the stages."""
+    then exp(logit - logsumexp) summed over the rows (`score_sum`). Compiled, no [B, n_kv, G, Q, L] probability
+    tensor is written, and the logits stay in the model's dtype between the stages (each stage masks them)."""
     logits, lse = score_logits(q, k, mask, one_matmul)
     return score_sum(logits, lse, mask, score_weight)
 
