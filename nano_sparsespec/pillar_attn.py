@@ -26,7 +26,6 @@ Must not know about scheduling or sampling; the engine builds the `AttentionCont
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -244,41 +243,15 @@ def _pack_groups(q, n_kv):
     return q.view(B, Q, n_kv, H // n_kv, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, -1, D)
 
 
-def pillar_scores(q, k, mask, score_weight, one_matmul: bool = False):
+def pillar_scores(q, k, mask, score_weight):
     """Attention probabilities summed over query rows (weighted) and averaged over each GQA group -> [B, n_kv, L].
 
-    Two stages, each compiled on its own by `compile_kernels`: the logits and each row's logsumexp (`score_logits`),
-    then exp(logit - logsumexp) summed over the rows (`score_sum`). Compiled, no [B, n_kv, G, Q, L] probability
-    tensor is written, and the logits stay in the model's dtype between the stages (each stage masks them)."""
-    logits, lse = score_logits(q, k, mask, one_matmul)
-    return score_sum(logits, lse, mask, score_weight)
-
-
-def score_logits(q, k, mask, one_matmul: bool = False):
-    """The score pass's first stage: the logits [B, n_kv, G, Q, L] in q's dtype (`scaled_products`) and the
-    logsumexp of each row's masked logits [B, n_kv, G, Q, 1] (float32)."""
-    logits = scaled_products(q, k, one_matmul)
-    return logits, masked_float(logits, mask[:, None, None]).logsumexp(dim=-1, keepdim=True)
-
-
-def score_sum(logits, lse, mask, score_weight):
-    """The score pass's second stage: sum over the G x Q rows of weight / G x exp(logit - logsumexp) -> [B, n_kv, L].
-
-    Eager, one reduction over the whole [B, n_kv, G, Q, L]: a few kernels. Compiled, one row at a time, which becomes
-    the loads of one kernel: as one reduction over the non-contiguous G x Q dimension it ran 2.8x slower on the H200
-    (128 x 6,144: 0.33 ms per layer against 0.12, benchmarks/h200/session15/score_pass.py). (Eager, the row loop would
-    launch some G x Q x 6 kernels per layer; on the CPU both forms take the same time in a verification step,
-    benchmarks/cpu/session15_verify_ops.txt.)"""
-    G, Q = logits.shape[2], logits.shape[3]
-    weight = score_weight.float()[:, None, None, :, None] / G                          # [B, 1, 1, Q, 1]
-    if not torch.compiler.is_compiling():
-        return (torch.exp(masked_float(logits, mask[:, None, None]) - lse) * weight).sum(dim=(2, 3))
-    total = 0
-    for g in range(G):
-        for row in range(Q):
-            probs = torch.exp(masked_float(logits[:, :, g, row], mask[:, None, row]) - lse[:, :, g, row])
-            total = total + probs * weight[:, :, 0, row]                               # [B, n_kv, L]
-    return total
+    Computed as exp(logit - logsumexp) weighted and summed over the group's rows: compiled (`compile_kernels`), one
+    graph that reads the logits twice and writes only [B, n_kv, L] (no [B, n_kv, G, Q, L] probability tensor)."""
+    logits = attention_logits(q, k, mask)                                              # [B, n_kv, G, Q, L]
+    lse = logits.logsumexp(dim=-1, keepdim=True)                                       # [B, n_kv, G, Q, 1]
+    weight = score_weight.float()[:, None, None, :, None] / logits.shape[2]            # [B, 1, 1, Q, 1]
+    return (torch.exp(logits - lse) * weight).sum(dim=(2, 3))
 
 
 def attention_probs(q, k, mask):
@@ -297,25 +270,16 @@ def masked_float(logits, visible):
     return logits.float().masked_fill(~visible, float("-inf"))
 
 
-def scaled_products(q, k, one_matmul: bool = False):
+def scaled_products(q, k):
     """q . k / sqrt(D) for every query head and position, grouped by KV head: q [B, Q, n_heads, D], k [B, L, n_kv, D]
     -> [B, n_kv, G, Q, L] in q's dtype (q is scaled before the matmul).
 
-    By default one matmul per KV head, reading that head's keys where they lie in k (a single batched matmul over
-    (B, n_kv) would first copy k into head-major order: 2.6 of a verification's 34 ms on the H200, step_anatomy.py
-    kernels). With `one_matmul` (the compiled score pass), one matmul of each request's keys as they lie
-    [L, n_kv * D] with block-diagonal queries [n_kv * G * Q, n_kv * D] (each head's packed rows in its own D columns,
-    zeros elsewhere): n_kv times the multiply-adds, but on the H200 0.16 ms per layer at 128 x 6,144 against 0.55 for
-    the per-head matmuls (score_pass.py). The CPU, where the multiply-adds cost, keeps the per-head form."""
+    One matmul per KV head, reading that head's keys where they lie in k (a single batched matmul over (B, n_kv) would
+    first copy k into head-major order: 2.6 of a verification's 34 ms on the H200, step_anatomy.py kernels)."""
     B, Q, H, D = q.shape
     L, n_kv = k.shape[1], k.shape[2]
     packed = _pack_groups(q * D ** -0.5, n_kv)                                         # [B, n_kv, G*Q, D]
-    if one_matmul:
-        eye = torch.eye(n_kv, dtype=q.dtype, device=q.device)                          # [n_kv, n_kv]
-        block_diagonal = (packed[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(B, H * Q, n_kv * D)
-        products = torch.bmm(block_diagonal, k.reshape(B, L, n_kv * D).transpose(1, 2))  # [B, n_kv*G*Q, L]
-    else:
-        products = torch.stack([torch.bmm(packed[:, h], k[:, :, h].transpose(1, 2)) for h in range(n_kv)], dim=1)
+    products = torch.stack([torch.bmm(packed[:, h], k[:, :, h].transpose(1, 2)) for h in range(n_kv)], dim=1)
     return products.view(B, n_kv, H // n_kv, Q, L)
 
 
@@ -347,28 +311,15 @@ def compile_kernels(paged: bool = False) -> None:
     until session 6: benchmarks/h200/session6/sparse_kernel.py); on the CPU compiled kernels were not faster
     (step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged kernel's verification shape
     (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is gather + SDPA (compiled, SDPA ran
-    2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session)."""
+    2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session). The score pass compiles as one graph: the
+    fifteenth session's two stages (logits from one block-diagonal matmul, then the rows summed one at a time) were
+    faster for one layer of 128 x 6,144 alone, but in the engine's steps no faster (H200 sixteenth session)."""
     _kernels["store"] = torch.compile(store_kv, dynamic=True)
-    _kernels["scores"] = _compiled_pillar_scores()
+    _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _kernels["paged"] = _compiled_paged_dense()
-
-
-def _compiled_pillar_scores():
-    """`pillar_scores` with its two stages compiled apart (dynamic shapes) and the logits from one matmul
-    (`scaled_products`). On the H200 at 128 x 6,144, per layer: the first stage 0.38 ms, the second 0.12; what this
-    compiled before (one graph of the per-head form, the rows summed as one reduction) 0.75
-    (benchmarks/h200/session15/score_pass.py). The first stage compiled per shape took 0.21 ms, but with it
-    SparseSpec's row had not finished when a 7-minute call ended, likely compiling once per padded step shape
-    (BENCHMARKS.md, H200 fifteenth session)."""
-    logits = torch.compile(functools.partial(score_logits, one_matmul=True), dynamic=True)
-    weighted_sum = torch.compile(score_sum, dynamic=True)
-
-    def scores(q, k, mask, score_weight):
-        return weighted_sum(*logits(q, k, mask), mask, score_weight)
-    return scores
 
 
 def _compiled_paged_dense():

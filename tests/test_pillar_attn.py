@@ -104,22 +104,6 @@ def test_dense_attention_matches_loop_reference():
     assert none is None and torch.equal(out2, out)
 
 
-def test_one_matmul_scores_match_loop_reference():
-    """The compiled score pass's form (`pillar_scores(..., one_matmul=True)`: all KV heads' logits from one matmul with
-    block-diagonal queries) scores what the loop reference scores, eagerly, so a wrong head or column placement shows
-    here and not only under torch.compile."""
-    q_lens, ctx_lens = [3, 1, 5], [7, 4, 9]
-    q, k, _, mask, _ = make_padded_batch(q_lens, ctx_lens, seed=4)
-    weight = torch.zeros(3, 5)
-    weight[0, :3] = 1 / 3
-    weight[1, 0] = 1.0
-    weight[2, 1] = weight[2, 4] = 0.5
-    _, ref_scores = ref_dense(q, k, torch.zeros_like(k), q_lens, ctx_lens, weight)
-    for one_matmul in (False, True):
-        scores = pillar_scores(q, k, mask, weight, one_matmul=one_matmul)
-        assert torch.allclose(scores.double(), ref_scores, atol=TOL), one_matmul
-
-
 def test_dense_attention_mha_and_bfloat16():
     q_lens, ctx_lens = [2, 4], [6, 4]
     q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens, seed=3)

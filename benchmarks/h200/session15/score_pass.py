@@ -13,7 +13,8 @@ first" (logits [B, n_kv, L, G * Q] from keys x queries: the row sum runs over th
 logsumexp over L does not); "block-diagonal" (one matmul of a request's keys as they lie, [L, n_kv * D], with
 block-diagonal queries); two-stage forms (logits + logsumexp compiled apart from the row sum, which is a reduction or
 unrolled row by row); the matmuls alone of each (what no form can go below); and the engine's
-(`pillar_attn._compiled_pillar_scores`, after this session). `engine` times only the engine's and session 14's.
+(`compile_kernels`: the session-15 two stages until session 16, which went back to one graph of `pillar_scores`).
+`engine` times only the engine's and session 14's.
 Measured rows: BENCHMARKS.md, H200 fifteenth session.
 """
 import sys
@@ -143,7 +144,7 @@ def main():
     blocks, L = b.k_pool.shape[0] // BLOCK, b.mask.shape[-1]
     keys = b.k_pool.view(blocks, -1).index_select(0, b.block_table.flatten()).view(batch, L, N_KV, -1)
     weight = b.q_valid.float() / Q                                  # a verification scores all its rows
-    forms = {"engine (compile_kernels)": pillar_attn._compiled_pillar_scores(),
+    forms = {"engine (compile_kernels)": pillar_attn.pillar_scores,     # compiled below, as `compile_kernels` does
              "rows last (session 14)": session14_form, "positions first": positions_first,
              "block-diagonal queries": block_diagonal, "matmul of block-diagonal": matmuls_block_diagonal,
              "one graph: block-diag, unrolled": block_diagonal_unrolled,
@@ -167,7 +168,7 @@ def main():
         print(f"  {'two-stage: ' + name:28s} {ms:7.3f} ms per layer  max |diff| vs session 14 "
               f"{float((out - reference).abs().max()):.2e}")
     for name, form in forms.items():
-        compiled = form if name.startswith("engine") else torch.compile(form, dynamic=True)
+        compiled = torch.compile(form, dynamic=True)
         out = compiled(b.q, keys, b.mask, weight)
         same = "" if out.shape != reference.shape else \
             f"  max |diff| vs session 14 {float((out - reference).abs().max()):.2e} (max {float(reference.max()):.2e})"
