@@ -202,32 +202,21 @@ def dense_attention(q, k, v, mask, score_weight=None):
     -> out [B, Q, n_heads, D], scores [B, n_kv, L] (sum over rows of weight x probability, averaged over the group)
 
     The output always comes from torch's fused SDPA; the scores, when asked for, are a side computation with explicit
-    probabilities. With several query rows (verification, prefill) the G query heads of a KV head are packed into one
-    block of G x Q rows, so the kernel reads each KV head once for all of them instead of once per query head: on the
-    H200 a 128 x 2,048 verification's attention took 0.124 ms per layer packed against 0.296 with SDPA's own GQA,
-    while a single row (plain decoding) is faster unpacked, 0.082 against 0.114 ms
-    (benchmarks/h200/session4/step_anatomy.py sdpa).
+    probabilities. The G query heads of a KV head are packed into one block of G x Q rows, so the kernel reads each
+    KV head once for all of them instead of once per query head: on the H200 a 128 x 2,048 verification's attention
+    took 0.124 ms per layer packed against 0.296 with SDPA's own GQA (benchmarks/h200/session4/step_anatomy.py sdpa).
+    A single row (plain decoding, drafts of the dense methods) is packed too: on the CPU in bfloat16 SDPA's own GQA
+    took 7.4 ms per layer of 8 x 1,024 against 1.0 packed (float32: 1.04 against 0.96; BENCHMARKS.md, CPU sixteenth
+    session). (The H200's eager path ran a single row faster unpacked, 0.082 against 0.114 ms; its fast path reads
+    the pool with `paged_dense` instead.)
     """
-    if q.shape[1] == 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask[:, None], enable_gqa=True)    # [B, n_heads, 1, D]
-        out = out.transpose(1, 2)
-    else:
-        out = packed_sdpa(q, k, v, mask)
-    scores = None if score_weight is None else _kernels["scores"](q, k, mask, score_weight)
-    return out, scores
-
-
-def packed_sdpa(q, k, v, mask):
-    """SDPA with the G query heads of each KV head packed into one block of G x Q rows (`dense_attention`'s form for
-    several query rows). q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] -> [B, Q, n_heads, D]"""
     B, Q, H, _ = q.shape
     L, n_kv = k.shape[1], k.shape[2]
-    G = H // n_kv
-    packed_mask = mask[:, None, None].expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L)
+    packed_mask = mask[:, None, None].expand(B, 1, H // n_kv, Q, L).reshape(B, 1, -1, L)   # [B, 1, G*Q, L]
     out = F.scaled_dot_product_attention(_pack_groups(q, n_kv), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=packed_mask)                           # [B, n_kv, G*Q, D]
-    return _unpack_groups(out, Q)
+                                         attn_mask=packed_mask)                             # [B, n_kv, G*Q, D]
+    scores = None if score_weight is None else _kernels["scores"](q, k, mask, score_weight)
+    return _unpack_groups(out, Q), scores
 
 
 def _unpack_groups(out, Q):

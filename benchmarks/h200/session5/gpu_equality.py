@@ -1,23 +1,17 @@
 """Greedy equality on the GPU, diagnosed: tests/test_cuda_graphs.py's comparison (fp32, tiny random Qwen3, padded
 steps) for each drafter, printing how many requests differ from plain decoding and where they first differ, with
-dense attention's single-row call as the engine has it (unpacked, SDPA's own GQA) and with the single row packed
-like the verification rows (`--pack-single`), or with `--compile` (on the GPU: the compiled paged kernels).
+the eager kernels or with `--compile` (on the GPU: the compiled paged kernels). (Until the sixteenth session dense
+attention ran a single row unpacked, with SDPA's own GQA, and `--pack-single` packed it like the verification rows,
+as it now always is: raw/equality_pack_single_call4.txt.)
 
-Usage: PYTHONPATH=.:tests python benchmarks/h200/session5/gpu_equality.py [--pack-single] [--compile]"""
+Usage: PYTHONPATH=.:tests python benchmarks/h200/session5/gpu_equality.py [--compile]"""
 import sys
 import tempfile
 
 import torch
 
 from conftest import GREEDY, PROMPT_LENGTHS, make_tiny_checkpoint
-from nano_sparsespec import LLM, pillar_attn
-
-if "--pack-single" in sys.argv:
-    def packed_always(q, k, v, mask, score_weight=None):
-        """dense_attention with its several-row form for every Q (a single row too)."""
-        scores = None if score_weight is None else pillar_attn._kernels["scores"](q, k, mask, score_weight)
-        return pillar_attn.packed_sdpa(q, k, v, mask), scores
-    pillar_attn.dense_attention = packed_always
+from nano_sparsespec import LLM
 
 path = make_tiny_checkpoint(tempfile.mkdtemp(), "qwen3")[0]
 g = torch.Generator().manual_seed(1)
