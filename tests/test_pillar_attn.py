@@ -104,6 +104,18 @@ def test_dense_attention_matches_loop_reference():
     assert none is None and torch.equal(out2, out)
 
 
+def test_dense_attention_single_rows_match_loop_reference():
+    """Plain decoding's shape, one query row per request (packed like a verification's rows since the sixteenth
+    session), in float32 and bfloat16."""
+    q_lens, ctx_lens = [1, 1, 1], [7, 4, 9]
+    q, k, v, mask, _ = make_padded_batch(q_lens, ctx_lens, seed=5)
+    ref_out, _ = ref_dense(q, k, v, q_lens, ctx_lens, torch.zeros(3, 1))
+    out, _ = dense_attention(q, k, v, mask)
+    assert out.shape == (3, 1, H, D) and torch.allclose(out.double(), ref_out, atol=TOL)
+    out_bf16, _ = dense_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert torch.allclose(out_bf16.double(), ref_out, atol=0.05)
+
+
 def test_dense_attention_mha_and_bfloat16():
     q_lens, ctx_lens = [2, 4], [6, 4]
     q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens, seed=3)
