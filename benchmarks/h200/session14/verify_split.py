@@ -1,13 +1,15 @@
 """Where a PillarAttn verification step's time goes beyond its attention, at long context: the score pass of `finish`
 (the keys gathered from the pool, then the compiled score pass `pillar_attn.pillar_scores`) and the selection of the next
-critical positions (`pillar_attn.select_pillar`: a stable sort of every (layer, request, KV head) row of scores).
+critical positions (`pillar_attn.select_pillar`: a stable sort of every (layer, request, KV head) row of scores until
+the sixteenth session, a top-k of int64 keys since).
 
 Why (fourteenth session, `bench --profile-steps --cuda-graphs --compile`, 128 x 6,144 on the H200): a verification
 step of 128 requests took 48.7 ms, 7.2x a plain step (6.8 ms), and the balanced step 1.44x the lock-step mean; the
 attention that verifies reads what a plain step reads, so the rest is these parts. This times each for one layer's
-share (x 30 layers; at this size `finish` scores one layer per chunk: SCORE_CHUNK_BYTES), and a candidate selection
-for comparison: a top-k over int64 keys (the score's float bits above, the position's complement below), which picks
-the same positions in the same order as the stable sort (checked here) while reading each row once.
+share (x 30 layers; at this size `finish` scores one layer per chunk: SCORE_CHUNK_BYTES), and two selections: the
+stable sort and a top-k over int64 keys (the score's float bits above, the position's complement below), which picks
+the same positions in the same order (checked here) while reading each row once. Until the sixteenth session the
+engine's `select_pillar` was the sort and the top-k the candidate; now it is the top-k and the sort is kept here.
 
     PYTHONPATH=. python benchmarks/h200/session14/verify_split.py BATCH CONTEXT [cuda|cpu]
 
@@ -27,12 +29,14 @@ from paged_batch import BLOCK, N_KV, from_command_line  # noqa: E402  (benchmark
 LAYERS, Q = 30, 9          # the embedded model's layers; k + 1 query rows per verification (k = 8)
 
 
-def select_by_topk(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """[L, B, n_kv, Lmax] scores >= 0 (or -inf) -> [L, B, n_kv, budget] positions: the highest scores, ties to the
-    lower position. A non-negative float's bits order like its value, and -inf's sign bit puts it below them."""
-    positions = torch.arange(scores.shape[-1], device=scores.device)
-    keys = (scores.contiguous().view(torch.int32).long() << 32) | (0xFFFFFFFF - positions)
-    return keys.topk(budget, dim=-1).indices
+def select_by_stable_sort(scores: torch.Tensor, context_len: list[int], budget: int) -> list[torch.Tensor]:
+    """`pillar_attn.select_pillar` until the sixteenth session: [L, B, n_kv, Lmax] scores -> per request [L, n_kv, n]
+    positions, a stable descending sort of each row."""
+    lengths = torch.tensor(context_len, device=scores.device)
+    in_context = torch.arange(scores.shape[-1], device=scores.device) < lengths[:, None]              # [B, Lmax]
+    masked = scores.masked_fill(~in_context[None, :, None, :], float("-inf"))
+    order = masked.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
+    return [order[:, b, :, :min(budget, c)] for b, c in enumerate(context_len)]
 
 
 def main():
@@ -53,18 +57,17 @@ def main():
     all_scores += torch.rand_like(all_scores) * 1e-6    # layers differ a little; most rows have no exact ties
     context_len = b.lengths.tolist()
     budget = max(128, int(0.05 * context))              # SpecConfig.budget at the default ratio
-    by_sort = pillar_attn.select_pillar(all_scores, context_len, [budget] * batch)
-    masked = all_scores.masked_fill(torch.arange(L, device=device) >= b.lengths.to(device)[None, :, None, None],
-                                    float("-inf"))
-    by_topk = select_by_topk(masked, budget)
-    same = all(torch.equal(by_sort[i], by_topk[:, i, :, :by_sort[i].shape[-1]]) for i in range(batch))
+    by_topk = pillar_attn.select_pillar(all_scores, context_len, [budget] * batch)
+    by_sort = select_by_stable_sort(all_scores, context_len, budget)
+    same = all(torch.equal(a, s) for a, s in zip(by_topk, by_sort))
 
     parts = {
         "gather the keys (x 30 layers)": LAYERS * timed_ms(gather, device),
         "pillar_scores (x 30 layers)": LAYERS * timed_ms(lambda: scores_kernel(b.q, keys, b.mask, weight), device),
-        "select_pillar: stable sort (30 layers at once)":
+        "stable sort (30 layers at once)":
+            timed_ms(lambda: select_by_stable_sort(all_scores, context_len, budget), device),
+        "select_pillar: top-k of int64 keys (30 layers at once)":
             timed_ms(lambda: pillar_attn.select_pillar(all_scores, context_len, [budget] * batch), device),
-        "candidate: top-k of int64 keys (30 layers at once)": timed_ms(lambda: select_by_topk(masked, budget), device),
     }
     print(f"batch {batch}, context up to {context} (mean {b.lengths.float().mean():.0f}), Q {Q}, budget {budget}, "
           f"{device}; top-k picks what the sort picks: {same}")
