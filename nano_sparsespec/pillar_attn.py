@@ -235,9 +235,9 @@ def _pack_groups(q, n_kv):
 def pillar_scores(q, k, mask, score_weight):
     """Attention probabilities summed over query rows (weighted) and averaged over each GQA group -> [B, n_kv, L].
 
-    Eager (the CPU), torch's fused softmax: 12.2 ms per layer of 8 x 4,096 in bfloat16 against 20.9 for
-    exp(logit - logsumexp), whose logsumexp makes two more passes over the logits (float32: 11.5 against 17.0;
-    BENCHMARKS.md, CPU sixteenth session). `compile_kernels` compiles it as one graph."""
+    Eager (the CPU), torch's fused softmax: 15.9 ms per layer of 8 x 4,096 in bfloat16 against 30.5 for
+    exp(logit - logsumexp), whose logsumexp makes passes of its own over the logits (float32: 12.6 against 16.7;
+    benchmarks/cpu/score_forms.py). `compile_kernels` compiles it as one graph."""
     logits = attention_logits(q, k, mask)                                              # [B, n_kv, G, Q, L]
     weight = score_weight.float()[:, None, None, :, None] / logits.shape[2]            # [B, 1, 1, Q, 1]
     return (logits.softmax(dim=-1) * weight).sum(dim=(2, 3))
@@ -347,7 +347,7 @@ def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tenso
     Ties break towards the lower position, so the selection is deterministic: a top-k of int64 keys, a score's float32
     bits above (a non-negative float's bits order like its value; -inf's sign bit puts it below them) and its
     position's complement below, picks and orders what a stable descending sort would: on one CPU thread, 30 layers
-    of 8 requests, 14 against 38 ms at 1,024 positions and 47 against 157 at 4,096 (benchmarks/cpu/select_topk.py);
+    of 8 requests, 8 against 31 ms at 1,024 positions and 33 against 153 at 4,096 (benchmarks/cpu/select_topk.py);
     on the H200, 128 verifications, 3.17 against 5.54 ms at 6,144 positions but 1.33 against 0.82 at 2,048
     (benchmarks/h200/session14/verify_split.py). The counts are host ints, so nothing here waits for the device.
     """
