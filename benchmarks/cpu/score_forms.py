@@ -7,10 +7,9 @@ heads (9 query, 3 KV, 64 wide), one thread.
                                                                             # benchmarks/cpu/session16_score_forms.txt
 """
 import sys
-import time
-
 import torch
 
+from clock import ms  # benchmarks/cpu/clock.py
 from nano_sparsespec import pillar_attn
 
 
@@ -20,14 +19,6 @@ def scores_by_logsumexp(q, k, mask, score_weight):
     lse = logits.logsumexp(dim=-1, keepdim=True)
     weight = score_weight.float()[:, None, None, :, None] / logits.shape[2]
     return (torch.exp(logits - lse) * weight).sum(dim=(2, 3))
-
-
-def ms(fn, reps=5):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def main():

@@ -4,10 +4,9 @@ one thread; checks that both pick the same positions in the same order.
 
     PYTHONPATH=. python benchmarks/cpu/select_topk.py        # output: benchmarks/cpu/session16_select_topk.txt
 """
-import time
-
 import torch
 
+from clock import ms  # benchmarks/cpu/clock.py
 from nano_sparsespec import pillar_attn
 
 
@@ -17,14 +16,6 @@ def select_by_stable_sort(scores, context, budget):
     masked = scores.masked_fill(~in_context[None, :, None, :], float("-inf"))
     order = masked.sort(dim=-1, descending=True, stable=True).indices[..., :max(budget)]
     return [order[:, b, :, :min(budget[b], context[b])] for b in range(len(context))]
-
-
-def ms(fn, reps=5):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def main():
