@@ -238,9 +238,9 @@ def pillar_scores(q, k, mask, score_weight):
     Eager (the CPU), torch's fused softmax: 15.9 ms per layer of 8 x 4,096 in bfloat16 against 30.5 for
     exp(logit - logsumexp), whose logsumexp makes passes of its own over the logits (float32: 12.6 against 16.7;
     benchmarks/cpu/score_forms.py). `compile_kernels` compiles it as one graph."""
-    logits = attention_logits(q, k, mask)                                              # [B, n_kv, G, Q, L]
-    weight = score_weight.float()[:, None, None, :, None] / logits.shape[2]            # [B, 1, 1, Q, 1]
-    return (logits.softmax(dim=-1) * weight).sum(dim=(2, 3))
+    probs = attention_probs(q, k, mask)                                                # [B, n_kv, G, Q, L]
+    weight = score_weight.float()[:, None, None, :, None] / probs.shape[2]             # [B, 1, 1, Q, 1]
+    return (probs * weight).sum(dim=(2, 3))
 
 
 def attention_probs(q, k, mask):
