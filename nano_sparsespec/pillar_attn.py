@@ -250,26 +250,18 @@ def attention_probs(q, k, mask):
 
 def attention_logits(q, k, mask):
     """Scaled float32 attention logits, grouped by KV head, -inf where masked.
-    q: [B, Q, n_heads, D]; k: [B, L, n_kv, D]; mask: [B, Q, L] bool -> [B, n_kv, G, Q, L]"""
-    return masked_float(scaled_products(q, k), mask[:, None, None])
 
-
-def masked_float(logits, visible):
-    """logits in float32, -inf where `visible` (a bool mask that broadcasts to them) is False."""
-    return logits.float().masked_fill(~visible, float("-inf"))
-
-
-def scaled_products(q, k):
-    """q . k / sqrt(D) for every query head and position, grouped by KV head: q [B, Q, n_heads, D], k [B, L, n_kv, D]
-    -> [B, n_kv, G, Q, L] in q's dtype (q is scaled before the matmul).
-
-    One matmul per KV head, reading that head's keys where they lie in k (a single batched matmul over (B, n_kv) would
-    first copy k into head-major order: 2.6 of a verification's 34 ms on the H200, step_anatomy.py kernels)."""
+    q: [B, Q, n_heads, D]; k: [B, L, n_kv, D]; mask: [B, Q, L] bool -> [B, n_kv, G, Q, L]
+    One matmul per KV head reads that head's keys where they lie in k (a single batched matmul over (B, n_kv) would
+    first copy k into head-major order: 2.6 of a verification's 34 ms on the H200, step_anatomy.py kernels); q is
+    scaled before the matmuls.
+    """
     B, Q, H, D = q.shape
-    L, n_kv = k.shape[1], k.shape[2]
+    n_kv = k.shape[2]
     packed = _pack_groups(q * D ** -0.5, n_kv)                                         # [B, n_kv, G*Q, D]
-    products = torch.stack([torch.bmm(packed[:, h], k[:, :, h].transpose(1, 2)) for h in range(n_kv)], dim=1)
-    return products.view(B, n_kv, H // n_kv, Q, L)
+    logits = torch.stack([torch.bmm(packed[:, h], k[:, :, h].transpose(1, 2)) for h in range(n_kv)], dim=1)
+    logits = logits.float().view(B, n_kv, H // n_kv, Q, -1)                           # [B, n_kv, G, Q, L]
+    return logits.masked_fill(~mask[:, None, None], float("-inf"))
 
 
 def sparse_attention(q, k_rows, v_rows, index, valid):
