@@ -106,19 +106,21 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 q_index = d.q_index[requests, :Q]                                      # [B, Q]
                 table = d.block_table[requests, :L // ctx.block_size]
                 keys = gathered(ctx.k_cache, table)
-                dense_out, _ = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask)
+                # a verification's scores come with its attention (`dense_attention`): from the keys just gathered,
+                # not gathered again in `finish` (on the CPU a verification step of 8 x 1,024: 664-674 ms against
+                # 732-824)
+                weight = None if d.score_weight is None else d.score_weight[requests, :Q]   # [B, Q]
+                dense_out, scores = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask,
+                                                    None if prefill else weight)
                 out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
-                if d.score_weight is None:
-                    continue
-                # PillarAttn scores from the keys just gathered, not gathered again in `finish` (on the CPU a
-                # verification step of 8 x 1,024: 664-674 ms against 732-824). A final prefill chunk scores its last
-                # row alone, so a chunk run scores no other (all of an 1,800-token prompt's rows cost 21 s on the CPU).
-                weight = d.score_weight[requests, :Q]                                  # [B, Q]
-                if prefill:
+                if weight is not None and prefill:
+                    # A final prefill chunk scores its last row alone, so a chunk run scores no other (all of an
+                    # 1,800-token prompt's rows cost 21 s on the CPU).
                     last = d.q_valid[requests, :Q].sum(1, keepdim=True) - 1            # [B, 1] each chunk's last row
-                    q_index, weight = q_index.gather(1, last), weight.gather(1, last)  # [B, 1]
                     mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))          # [B, 1, L]
-                d.scores[layer, requests, :, :L] = _kernels["scores"](q[q_index], keys, mask, weight)   # [B, n_kv, L]
+                    scores = _kernels["scores"](q[q_index.gather(1, last)], keys, mask, weight.gather(1, last))
+                if weight is not None:
+                    d.scores[layer, requests, :, :L] = scores                          # [B, n_kv, L]
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
             if d.score_weight is not None:      # scored with all layers' in `finish`
@@ -201,22 +203,28 @@ def dense_attention(q, k, v, mask, score_weight=None):
     q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool; score_weight: [B, Q] or None
     -> out [B, Q, n_heads, D], scores [B, n_kv, L] (sum over rows of weight x probability, averaged over the group)
 
-    The output always comes from torch's fused SDPA; the scores, when asked for, are a side computation with explicit
-    probabilities. The G query heads of a KV head are packed into one block of G x Q rows, so the kernel reads each
-    KV head once for all of them instead of once per query head: on the H200 a 128 x 2,048 verification's attention
-    took 0.124 ms per layer packed against 0.296 with SDPA's own GQA (benchmarks/h200/session4/step_anatomy.py sdpa).
-    A single row (plain decoding, drafts of the dense methods) is packed too: on the CPU in bfloat16 SDPA's own GQA
-    took 7.4 ms per layer of 8 x 1,024 against 1.0 packed (float32: 1.04 against 0.96; BENCHMARKS.md, CPU sixteenth
-    session). (The H200's eager path ran a single row faster unpacked, 0.082 against 0.114 ms; its fast path reads
-    the pool with `paged_dense` instead.)
+    Without scores, torch's fused SDPA. The G query heads of a KV head are packed into one block of G x Q rows, so
+    the kernel reads each KV head once for all of them instead of once per query head: on the H200 a 128 x 2,048
+    verification's attention took 0.124 ms per layer packed against 0.296 with SDPA's own GQA
+    (benchmarks/h200/session4/step_anatomy.py sdpa). A single row (plain decoding, drafts of the dense methods) is
+    packed too: on the CPU in bfloat16 SDPA's own GQA took 7.4 ms per layer of 8 x 1,024 against 1.0 packed (float32:
+    1.04 against 0.96; BENCHMARKS.md, CPU sixteenth session). (The H200's eager path ran a single row faster unpacked,
+    0.082 against 0.114 ms; its fast path reads the pool with `paged_dense` instead.)
+    With scores (a verification), the explicit probabilities the scores need give the output too (probabilities x V)
+    instead of SDPA computing the logits a second time: on one CPU thread, one layer of 8 x 4,096 in bfloat16 took
+    13.3 ms against 23.4 for SDPA + `pillar_scores` (benchmarks/cpu/scored_attention.py).
     """
     B, Q, H, _ = q.shape
     L, n_kv = k.shape[1], k.shape[2]
+    if score_weight is not None:
+        probs = attention_probs(q, k, mask)                                            # [B, n_kv, G, Q, L]
+        packed_probs = probs.to(v.dtype).view(B, n_kv, -1, L)                          # [B, n_kv, G*Q, L]
+        out = torch.stack([torch.bmm(packed_probs[:, h], v[:, :, h]) for h in range(n_kv)], dim=1)
+        return _unpack_groups(out, Q), weighted_scores(probs, score_weight)           # out [B, n_kv, G*Q, D]
     packed_mask = mask[:, None, None].expand(B, 1, H // n_kv, Q, L).reshape(B, 1, -1, L)   # [B, 1, G*Q, L]
     out = F.scaled_dot_product_attention(_pack_groups(q, n_kv), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=packed_mask)                             # [B, n_kv, G*Q, D]
-    scores = None if score_weight is None else _kernels["scores"](q, k, mask, score_weight)
-    return _unpack_groups(out, Q), scores
+    return _unpack_groups(out, Q), None
 
 
 def _unpack_groups(out, Q):
@@ -238,7 +246,12 @@ def pillar_scores(q, k, mask, score_weight):
     Eager (the CPU), torch's fused softmax: 15.9 ms per layer of 8 x 4,096 in bfloat16 against 30.5 for
     exp(logit - logsumexp), whose logsumexp makes passes of its own over the logits (float32: 12.6 against 16.7;
     benchmarks/cpu/score_forms.py). `compile_kernels` compiles it as one graph."""
-    probs = attention_probs(q, k, mask)                                                # [B, n_kv, G, Q, L]
+    return weighted_scores(attention_probs(q, k, mask), score_weight)
+
+
+def weighted_scores(probs, score_weight):
+    """probs [B, n_kv, G, Q, L] (`attention_probs`), score_weight [B, Q] -> [B, n_kv, L]: each row's probabilities
+    times its weight, summed over rows, averaged over the G query heads of each KV head."""
     weight = score_weight.float()[:, None, None, :, None] / probs.shape[2]             # [B, 1, 1, Q, 1]
     return (probs * weight).sum(dim=(2, 3))
 

@@ -11,7 +11,7 @@ highest. That costs a full attention pass per draft (the very thing drafting avo
 
 This script measures the gap directly. It decodes the prompt of tutorial 01 greedily with `pillar` (budget 32
 positions per layer and KV head, about a tenth of the context; k = 8) and captures at every verification, per layer,
-KV head and query row, the exact attention probabilities (wrapping the score pass `pillar_attn.pillar_scores`) and the selection
+KV head and query row, the exact attention probabilities (wrapping `pillar_attn.attention_probs`) and the selection
 the engine made (wrapping `pillar_attn.select_pillar`). A verification's row j is draft step j's query computed
 exactly, so for every cycle and draft step the script can say how much of that step's attention the drafter saw:
 the attention mass on its selection plus the positions written since the verification, averaged over layers and KV
@@ -65,22 +65,17 @@ def capture_rows():
         mean, max  [L, n_kv, R, Lmax] attention probabilities of each scored row, mean / max over the GQA group
         scores     [L, n_kv, Lmax] what the engine ranked (the rows' mean), selection [L, n_kv, B] what it chose
         context    the verified context after the verification (the selection's positions are below it)
-    Both wrapped functions are called through the module (the score pass through its kernel table, where
-    `compile_kernels` would swap in a compiled one), so the engine's own computation runs unchanged.
+    Both wrapped functions are called through the module, so the engine's own computation runs unchanged: the
+    probabilities are those the verification's attention computes (eager, on the CPU: one request, no padding rows,
+    so every query row it gets is a scored one; a last prefill chunk's is its last row alone).
     """
     records, layers = [], []
-    orig_scores, orig_select = pillar_attn._kernels["scores"], pillar_attn.select_pillar
+    orig_probs, orig_select = pillar_attn.attention_probs, pillar_attn.select_pillar
 
-    def scores(q, k, mask, score_weight, *rest):      # called per layer (gather + SDPA) or per chunk of layers
-        _, _, H, D = q.shape                           # (paged): with one request, batch entry i is the next layer
-        n_kv = k.shape[2]
-        for i in range(q.shape[0]):
-            rows = score_weight[i].nonzero().flatten()                                         # scored rows
-            q_rows = q[i, rows].view(len(rows), n_kv, H // n_kv, D).float()                    # [R, n_kv, G, D]
-            logits = torch.einsum("rkgd,lkd->kgrl", q_rows, k[i].float()) * D ** -0.5         # [n_kv, G, R, L]
-            probs = logits.masked_fill(~mask[i, rows][None, None], float("-inf")).softmax(-1)
-            layers.append((probs.mean(1), probs.amax(1), mask[i, rows].sum(-1) - 1))
-        return orig_scores(q, k, mask, score_weight, *rest)
+    def probs_of(q, k, mask):                          # called per layer
+        probs = orig_probs(q, k, mask)                 # [1, n_kv, G, R, L]
+        layers.append((probs[0].mean(1), probs[0].amax(1), mask[0].sum(-1) - 1))
+        return probs
 
     def select(scores_, context_len, budget, *rest):
         chosen = orig_select(scores_, context_len, budget, *rest)
@@ -90,11 +85,11 @@ def capture_rows():
         layers.clear()
         return chosen
 
-    pillar_attn._kernels["scores"], pillar_attn.select_pillar = scores, select
+    pillar_attn.attention_probs, pillar_attn.select_pillar = probs_of, select
     try:
         yield records
     finally:
-        pillar_attn._kernels["scores"], pillar_attn.select_pillar = orig_scores, orig_select
+        pillar_attn.attention_probs, pillar_attn.select_pillar = orig_probs, orig_select
 
 
 def seen(probs: torch.Tensor, positions: torch.Tensor, window: range) -> tuple[float, float, float]:
