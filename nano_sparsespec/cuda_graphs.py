@@ -22,6 +22,7 @@ Must not change what any real token computes: padding only adds rows and masked 
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import replace
@@ -101,8 +102,18 @@ class StaticStep:
             self._warm_up()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.graphs.memory_pool()):
-            self.outputs = self._compute()
+        # No garbage collection inside the capture: a dead reference cycle freed there that holds pinned host memory
+        # (a step's result copy) makes the host allocator record an event on the default stream, which invalidates
+        # the capture (the likely cause of cudaErrorStreamCaptureInvalidated in 3 of 9 runs of a CUDA test on the
+        # H200, seventeenth session). Such cycles are freed by a later collection, outside.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=self.graphs.memory_pool()):
+                self.outputs = self._compute()
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         self.graphs.record_seconds += time.perf_counter() - start
         self.graphs.record_compile_seconds += compile_seconds() - compiled

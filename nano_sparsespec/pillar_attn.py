@@ -212,7 +212,7 @@ def dense_attention(q, k, v, mask, score_weight=None):
     0.082 against 0.114 ms; its fast path reads the pool with `paged_dense` instead.)
     With scores (a verification), the explicit probabilities the scores need give the output too (probabilities x V)
     instead of SDPA computing the logits a second time: on one CPU thread, one layer of 8 x 4,096 in bfloat16 took
-    13.3 ms against 23.4 for SDPA + `pillar_scores` (benchmarks/cpu/scored_attention.py).
+    12.6 ms against 22.6 for SDPA + `pillar_scores` (benchmarks/cpu/scored_attention.py).
     """
     B, Q, H, _ = q.shape
     L, n_kv = k.shape[1], k.shape[2]
