@@ -104,7 +104,7 @@ class StaticStep:
         self.graph = torch.cuda.CUDAGraph()
         # No garbage collection inside the capture: a dead reference cycle freed there that holds pinned host memory
         # (a step's result copy) makes the host allocator record an event on the default stream, which invalidates
-        # the capture (the likely cause of cudaErrorStreamCaptureInvalidated in 3 of 9 runs of a CUDA test on the
+        # the capture (the likely cause of cudaErrorStreamCaptureInvalidated in 4 of 11 runs of a CUDA test on the
         # H200, seventeenth session). Such cycles are freed by a later collection, outside.
         collecting = gc.isenabled()
         gc.disable()

@@ -211,13 +211,15 @@ def dense_attention(q, k, v, mask, score_weight=None):
     1.04 against 0.96; BENCHMARKS.md, CPU sixteenth session). (The H200's eager path ran a single row faster unpacked,
     0.082 against 0.114 ms; its fast path reads the pool with `paged_dense` instead.)
     With scores (a verification), the explicit probabilities the scores need give the output too (probabilities x V)
-    instead of SDPA computing the logits a second time: on one CPU thread, one layer of 8 x 4,096 in bfloat16 took
-    12.6 ms against 22.6 for SDPA + `pillar_scores` (benchmarks/cpu/scored_attention.py).
+    instead of SDPA computing the logits a second time. Their logits are float32 whatever the inputs' dtype, as
+    SDPA's are: from bfloat16 logits the output's error doubled and the rows' greedy texts parted from plain
+    decoding's 2.7x sooner. On one CPU thread, one layer of 8 x 4,096 in bfloat16: 20.1 ms against 24.5 for SDPA +
+    `pillar_scores`, the same error as SDPA's (benchmarks/cpu/scored_attention.py).
     """
     B, Q, H, _ = q.shape
     L, n_kv = k.shape[1], k.shape[2]
     if score_weight is not None:
-        probs = attention_probs(q, k, mask)                                            # [B, n_kv, G, Q, L]
+        probs = attention_probs(q.float(), k.float(), mask)                            # [B, n_kv, G, Q, L]
         packed_probs = probs.to(v.dtype).view(B, n_kv, -1, L)                          # [B, n_kv, G*Q, L]
         out = torch.stack([torch.bmm(packed_probs[:, h], v[:, :, h]) for h in range(n_kv)], dim=1)
         return _unpack_groups(out, Q), weighted_scores(probs, score_weight)           # out [B, n_kv, G*Q, D]

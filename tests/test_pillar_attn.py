@@ -133,6 +133,19 @@ def test_dense_attention_mha_and_bfloat16():
     assert torch.allclose(scores_bf16, scores, atol=0.02)
 
 
+def test_scored_attention_in_bfloat16_is_as_exact_as_sdpa():
+    """A verification's output, which comes with its scores from the explicit probabilities, is as close to the float64
+    result from bfloat16 inputs as SDPA's: its logits are float32 (rounded to bfloat16, the mean error doubled)."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, n, heads, 64, generator=g) * 2 for n, heads in ((9, H), (512, N_KV), (512, N_KV)))
+    mask = torch.ones(2, 9, 512, dtype=torch.bool)
+    reference, _ = dense_attention(q.double(), k.double(), v.double(), mask)
+    low = (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    sdpa_error = (dense_attention(*low)[0].double() - reference).abs().mean()
+    scored_error = (dense_attention(*low, torch.full((2, 9), 1 / 9))[0].double() - reference).abs().mean()
+    assert scored_error < 1.2 * sdpa_error, (scored_error, sdpa_error)
+
+
 def test_dense_attention_head_to_kv_group_mapping():
     """Query head h must read KV head h // G (transformers' repeat_interleave convention), not h % n_kv."""
     q, k, v, mask, q_valid = make_padded_batch([1], [5], seed=4)
