@@ -212,9 +212,9 @@ def dense_attention(q, k, v, mask, score_weight=None):
     0.082 against 0.114 ms; its fast path reads the pool with `paged_dense` instead.)
     With scores (a verification), the explicit probabilities the scores need give the output too (probabilities x V)
     instead of SDPA computing the logits a second time. Their logits are float32 whatever the inputs' dtype, as
-    SDPA's are: from bfloat16 logits the output's error doubled and the rows' greedy texts parted from plain
-    decoding's 2.7x sooner. On one CPU thread, one layer of 8 x 4,096 in bfloat16: 20.1 ms against 24.5 for SDPA +
-    `pillar_scores`, the same error as SDPA's (benchmarks/cpu/scored_attention.py).
+    SDPA's are (from bfloat16 logits the output's mean error against float64 doubled). On one CPU thread, one layer
+    of 8 x 4,096 in bfloat16: 20.1 ms against 24.5 for SDPA + `pillar_scores`, the same error as SDPA's
+    (benchmarks/cpu/scored_attention.py).
     """
     B, Q, H, _ = q.shape
     L, n_kv = k.shape[1], k.shape[2]
