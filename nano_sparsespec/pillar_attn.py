@@ -6,8 +6,9 @@ Owns
       - dense attention for the requests whose tokens need the whole context (prefill chunks, verification, plain
         decoding, the `full` drafter), and the PillarAttn scores when wanted: per (layer, KV head), the attention
         probabilities averaged over chosen query rows and over the query heads of the GQA group, over positions.
-        Gather + SDPA scores each layer from the keys it gathered; the paged kernel keeps the layer's queries, and
-        `finish` (once per forward, after the layers) scores all layers in one batched pass;
+        Gather-then-attend scores each layer from the keys it gathered (a verification's output and scores from one
+        set of probabilities); the paged kernel keeps the layer's queries, and `finish` (once per forward, after the
+        layers) scores all layers in one batched pass;
       - sparse attention for draft tokens: each draft query attends only to its gathered slots (the critical positions
         of its layer and KV head, plus every position written since the last verification).
     Both are batched over requests and heads: no Python loop over requests x layers x heads.
@@ -18,7 +19,8 @@ Owns
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the K/V write, the PillarAttn score pass and the
-    sparse draft kernel (same math, float tolerance); dense attention runs torch's fused SDPA over gathered K/V, or,
+    sparse draft kernel (same math, float tolerance); dense attention runs over gathered K/V (torch's fused SDPA, or
+    the explicit probabilities when the scores are wanted), or,
     with `compile_kernels(paged=True)` (the GPU), `paged_dense`: compiled flex_attention reading the pool in place
     through a block mask that `prepare` builds once per step, long contexts cut into chunks (`PAGED_CHUNK`).
 
@@ -51,7 +53,7 @@ class DenseBatch:
                                  #   (runner.StepShape.dense_runs)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each query row in the PillarAttn score average
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled when score_weight is set: by attend()
-                                              #   (gather + SDPA) or finish() (paged kernel)
+                                              #   (gathered K/V) or finish() (paged kernel)
     block_mask: object | None = None          # flex_attention BlockMask over the pool, set by `prepare` (paged kernels)
     score_queries: dict = field(default_factory=dict)   # layer -> its queries [Bd, Qmax, n_heads, D], kept by the
                                                         #   paged path until finish()
@@ -140,7 +142,7 @@ SCORE_CHUNK_BYTES = 1 << 30
 
 def finish(ctx: AttentionContext) -> None:
     """Once per forward, after the layers: the PillarAttn scores of every layer whose queries the paged path kept
-    (`attend`; gather + SDPA scores each layer from the keys it gathers).
+    (`attend`; the gathered-K/V path scores each layer from the keys it gathers).
 
     Layer by layer, the score pass was ~8 small kernels per layer (its matmuls, reductions and the key gather): on
     the GPU they cost more in launches than in work. Here the layers go through it together, as a batch of
@@ -306,10 +308,11 @@ def compile_kernels(paged: bool = False) -> None:
     eager and 2.37 for a fused form of elementwise products that the compiler turned into two reductions (what this used
     until session 6: benchmarks/h200/session6/sparse_kernel.py); on the CPU compiled kernels were not faster
     (step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged kernel's verification shape
-    (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention is gather + SDPA (compiled, SDPA ran
-    2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session). The score pass compiles as one graph: the
-    fifteenth session's two stages (logits from one block-diagonal matmul, then the rows summed one at a time) were
-    faster for one layer of 128 x 6,144 alone, but in the engine's steps no faster (H200 sixteenth session)."""
+    (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention over gathered K/V stays eager
+    (compiled, SDPA ran 2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session). The score pass
+    compiles as one graph: the fifteenth session's two stages (logits from one block-diagonal matmul, then the rows
+    summed one at a time) were faster for one layer of 128 x 6,144 alone, but in the engine's steps no faster (H200
+    sixteenth session)."""
     _kernels["store"] = torch.compile(store_kv, dynamic=True)
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)

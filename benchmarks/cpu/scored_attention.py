@@ -5,8 +5,9 @@ probabilities x V, their logits in float32) against the form it replaced (torch'
 in the inputs' dtype); each output's error against a float64 reference. Random inputs of BATCH requests x CONTEXT
 positions, k + 1 = 9 query rows, the embedded model's heads (9 query, 3 KV, 64 wide), one thread.
 
-    PYTHONPATH=. python benchmarks/cpu/scored_attention.py [BATCH] [CONTEXT]     # default 8 4096; output:
-                                                                                 # benchmarks/cpu/session17_scored_attention.txt
+    PYTHONPATH=. python benchmarks/cpu/scored_attention.py [BATCH] [CONTEXT]     # default 8 4096
+
+Output: benchmarks/cpu/session17_scored_attention.txt (8 4096, then 8 1024).
 """
 import sys
 import torch
