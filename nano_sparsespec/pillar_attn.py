@@ -115,14 +115,15 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 dense_out, scores = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask,
                                                     None if prefill else weight)
                 out[q_index.flatten()] = dense_out.flatten(0, 1)  # padding queries all land in the padding row
-                if weight is not None and prefill:
+                if weight is None:
+                    continue
+                if prefill:
                     # A final prefill chunk scores its last row alone, so a chunk run scores no other (all of an
                     # 1,800-token prompt's rows cost 21 s on the CPU).
                     last = d.q_valid[requests, :Q].sum(1, keepdim=True) - 1            # [B, 1] each chunk's last row
                     mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))          # [B, 1, L]
                     scores = _kernels["scores"](q[q_index.gather(1, last)], keys, mask, weight.gather(1, last))
-                if weight is not None:
-                    d.scores[layer, requests, :, :L] = scores                          # [B, n_kv, L]
+                d.scores[layer, requests, :, :L] = scores                              # [B, n_kv, L]
         else:   # paged kernel: attention reads the pool in place
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
             if d.score_weight is not None:      # scored with all layers' in `finish`
