@@ -172,8 +172,9 @@ class SpecConfig:
                  than gather + SDPA on the H200; pillar_attn.paged_attention)
     prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill). A step that
                  carries chunks runs eagerly (no CUDA graph): on the H200 each cost ~30 ms of host time at 512 (19 of
-                 them to admit the benchmark's 128 prompts), so the budget is large; the chunks are attended in runs
-                 of like length (runner.ModelRunner._dense_runs), so a large budget does not pad them
+                 them to admit the benchmark's 128 prompts), so the budget is large, and with CUDA graphs the engine
+                 admits waiting requests in groups (scheduler.py); the chunks are attended in runs of like length
+                 (runner.ModelRunner._dense_runs), so a large budget does not pad them
     max_batch    requests running at once
     """
     method: str = "plain"
