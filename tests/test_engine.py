@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from conftest import GREEDY, run
-from nano_sparsespec import LLM, SamplingParams
-from nano_sparsespec import async_loop
+from nano_sparsespec import LLM, SamplingParams, async_loop
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.kv_cache import KVCache
 from nano_sparsespec.runner import StepResult

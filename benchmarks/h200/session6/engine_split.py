@@ -25,7 +25,8 @@ batches), and the lists come padded to the bucket: "padded lists" holds the list
 device copy of the lists into the static step.
 Session 18: `--requests N` (default `--batch`) runs more requests than slots, as the bench's `--num-requests` does (a
 finished request's slot takes the next waiting one), and the line of steps with a prefill chunk says how many there
-were: the seventeenth session's rows with 384 requests cost 1.6x more per step than with 128, not traced.
+were: that traced why the seventeenth session's rows with 384 requests cost 1.6x more per step than with 128 (each
+admission was an eager step; BENCHMARKS.md, H200 eighteenth session).
 """
 import argparse
 import collections
