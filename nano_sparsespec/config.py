@@ -170,11 +170,10 @@ class SpecConfig:
     kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
     block_size   tokens per KV block (64: the paged GPU kernel's tile is at most one block, and 16 made it slower
                  than gather + SDPA on the H200; pillar_attn.paged_attention)
-    prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill). A step that
-                 carries chunks runs eagerly (no CUDA graph): on the H200 each cost ~30 ms of host time at 512 (19 of
-                 them to admit the benchmark's 128 prompts), so the budget is large, and with CUDA graphs the engine
-                 admits waiting requests in groups (scheduler.py); the chunks are attended in runs of like length
-                 (runner.ModelRunner._dense_runs), so a large budget does not pad them
+    prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill). Eagerly the
+                 chunks are attended in runs of like length (runner.ModelRunner._dense_runs), so a large budget does
+                 not pad them; with CUDA graphs they are a padded static step of their own beside the step's replay
+                 (runner.ModelRunner.launch), and the engine admits waiting requests in groups (scheduler.py)
     max_batch    requests running at once
     """
     method: str = "plain"

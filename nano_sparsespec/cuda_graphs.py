@@ -17,7 +17,7 @@ Owns
     a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding rules);
     `forget()` drops the graphs when a buffer they read is reallocated.
 
-Steps with a prefill chunk keep the eager path (their query counts vary too much to bucket usefully).
+A step's prefill chunks are a static step of their own (`ModelRunner.launch`), bucketed as one run of chunks.
 Must not change what any real token computes: padding only adds rows and masked columns (tests: greedy equality).
 """
 from __future__ import annotations
@@ -140,11 +140,19 @@ class StepGraphs:
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
 
     def bucket(self, shape):
-        """The runner's `StepShape` of a step rounded up to its bucket (the step is padded to that)."""
+        """The runner's `StepShape` of a step rounded up to its bucket (the step is padded to that).
+
+        A step of prefill chunks (the runner runs them apart from the rest of their step) is one run of all its
+        chunks, each padded to the longest rounded up to a power of two, at least 64 rows (what it costs in padding,
+        the GPU does in a fraction of a replay: a few buckets cover the benchmark's prompts)."""
         s = shape
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
-        return replace(s, tokens=dense_batch * s.dense_queries + sparse_batch + 1, dense_batch=dense_batch,
-                       dense_blocks=round_up(s.dense_blocks, self.context_blocks), sparse_batch=sparse_batch,
+        queries, blocks, runs = s.dense_queries, round_up(s.dense_blocks, self.context_blocks), ()
+        if s.dense_runs:
+            queries = max(64, 1 << (queries - 1).bit_length())
+            runs = ((0, dense_batch, queries, blocks, True),)
+        return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
+                       dense_queries=queries, dense_blocks=blocks, dense_runs=runs, sparse_batch=sparse_batch,
                        selection_width=round_up(s.selection_width, self.width_step), window=batch_bucket(s.window),
                        lookup_context=round_up(s.lookup_context, self.context_step),
                        drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks))

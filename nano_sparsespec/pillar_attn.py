@@ -120,7 +120,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 if prefill:
                     # A final prefill chunk scores its last row alone, so a chunk run scores no other (all of an
                     # 1,800-token prompt's rows cost 21 s on the CPU).
-                    last = d.q_valid[requests, :Q].sum(1, keepdim=True) - 1            # [B, 1] each chunk's last row
+                    last = (d.q_valid[requests, :Q].sum(1, keepdim=True) - 1).clamp(min=0)   # [B, 1] each chunk's
+                                                                       #   last row (row 0 for a padding request)
                     mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))          # [B, 1, L]
                     scores = _kernels["scores"](q[q_index.gather(1, last)], keys, mask, weight.gather(1, last))
                 d.scores[layer, requests, :, :L] = scores                              # [B, n_kv, L]

@@ -177,8 +177,13 @@ class ModelRunner:
         lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
         self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)                # [rows + 1, capacity]
         self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
-        # the critical positions each row's drafts attend to, in rank order; the first selection_len[row] are real
-        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, 0, **long)     # [rows + 1, L, n_kv, N]
+        # the critical positions each row's drafts attend to, in rank order; the first selection_len[row] are real.
+        # With CUDA graphs it is wide enough at once for the budget of the longest context: the first graphs are
+        # recorded before any selection is made (a prefill step's), and widening drops them.
+        width = 0
+        if cuda_graphs and spec.method in ("pillar", "pillar-lookup", "streaming"):
+            width = round_up(spec.budget(cfg.max_position_embeddings), self.graphs.width_step)
+        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)  # [rows + 1, L, n_kv, N]
         self.selection_len = [0] * rows
         # each row's sampling parameters, sent once when a request takes the row
         self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * (rows + 1), [0] * (rows + 1),
@@ -429,13 +434,30 @@ class ModelRunner:
     # --- one step ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, works: list[Work]) -> StepResult:
-        plan = StepPlan.of(works, self.spec.method)
-        shape = self._shape(plan)
-        static = self.graphs is not None and all(w.kind != "prefill" for w in works)
-        if static:
-            shape = self.graphs.bucket(shape)
-        packed, scores = self._run(plan, shape, static)
-        result = StepResult(works, [w for w, _ in plan.checks], plan.num_drafts, packed, scores)
+        """Queue the step's device work; its results stay on the device (`StepResult.fetch` waits for them).
+
+        With CUDA graphs a step's prefill chunks run as a padded static step of their own, right after the replay of
+        the rest: mixed in, their query rows would leave the whole step's shape to the eager path, which on the H200
+        took 100-300 ms of host time beside 128 decoding requests, against ~4 ms for a replay
+        (benchmarks/h200/session19/prefill_step.py). Without graphs the step is one forward."""
+        if self.graphs is None:
+            parts = [works]
+        else:
+            parts = [part for part in ([w for w in works if w.kind != "prefill"],
+                                       [w for w in works if w.kind == "prefill"]) if part]
+        checks, num_drafts, packed, scores = [], [], [], []
+        for part in parts:
+            plan = StepPlan.of(part, self.spec.method)
+            shape = self._shape(plan)
+            if self.graphs is not None:
+                shape = self.graphs.bucket(shape)
+            part_packed, part_scores = self._run(plan, shape, static=self.graphs is not None)
+            checks += [w for w, _ in plan.checks]
+            num_drafts += plan.num_drafts
+            if plan.checks:   # (a replay's outputs last until the next replay: the graphs share one memory pool)
+                packed.append(part_packed.clone() if len(parts) > 1 else part_packed)
+                scores.append(part_scores)                       # gathered by `_run`, outside the graph: a copy
+        result = StepResult(works, checks, num_drafts, *_joined(packed, scores, self.device))
         result.start_copy()
         return result
 
@@ -583,3 +605,21 @@ class ModelRunner:
             self.draft_tokens[r.check_row, 0] = out.next_token
         return torch.cat([out.num_accepted[:, None], out.next_token[:, None], out.is_bonus.long()[:, None],
                           draft_tokens], dim=1)
+
+
+def _joined(packed: list[torch.Tensor], scores: list[torch.Tensor | None], device) -> tuple:
+    """The checks' results of a step's parts (the static steps `ModelRunner.launch` runs) as one part's:
+    packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] (a part's missing draft columns are 0, never read: `num_drafts` says
+    how many are real) and scores [L, Bv_i, n_kv, L_i] -> [L, Bv, n_kv, max L] (the columns past a part's context
+    are 0, past every request's context: `select_pillar` masks them), or None where the parts have none."""
+    if not packed:
+        return torch.zeros(0, 3, dtype=torch.long, device=device), None
+    if len(packed) == 1:
+        return packed[0], scores[0]
+    width = max(p.shape[1] for p in packed)
+    joined = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in packed])
+    if any(s is None for s in scores):
+        return joined, None
+    length = max(s.shape[-1] for s in scores)
+    return joined, torch.cat([F.pad(s, (0, length - s.shape[-1])) for s in scores], dim=1)
+

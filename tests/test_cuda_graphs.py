@@ -148,3 +148,35 @@ def test_eager_steps_have_a_padding_row_only_when_they_pad(tiny_qwen3, prompts, 
     monkeypatch.setattr(ModelRunner, "_shape", noted)
     generate(tiny_qwen3[0], prompts, method="plain", max_batch=5, prefill_chunk=32)
     assert seen[True] and seen[False]
+
+
+def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, monkeypatch):
+    """With CUDA graphs every part of a step is a padded static step: a step's prefill chunks run apart from its
+    decoding requests (one bucketed run of chunks), and the two parts' results are joined in check order. Requests
+    admitted while others verify make steps whose both parts have checks (a last prefill chunk and verifications),
+    and the output equals plain decoding's on the same path."""
+    parts, joined = [], []
+    run, launch = ModelRunner._run, ModelRunner.launch
+
+    def noted_run(self, plan, shape, static):
+        kinds = {w.kind for w in plan.works}
+        assert static and (kinds == {"prefill"} or "prefill" not in kinds), (static, kinds)
+        if kinds == {"prefill"}:
+            assert shape.dense_queries >= 64 and len(shape.dense_runs) == 1, shape
+        parts.append(bool(plan.checks))
+        return run(self, plan, shape, static)
+
+    def noted_launch(self, works):
+        before = len(parts)
+        result = launch(self, works)
+        if parts[before:] == [True, True]:
+            joined.append(result.packed.shape[1])       # 3 + the verifications' drafts: wider than a prefill's 3
+        return result
+
+    monkeypatch.setattr(ModelRunner, "_run", noted_run)
+    monkeypatch.setattr(ModelRunner, "launch", noted_launch)
+    _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=3)
+    _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
+                       budget_ratio=0.1, async_verify=True, max_batch=3, prefill_chunk=32)
+    assert outs == plain
+    assert joined and max(joined) > 3, joined
