@@ -109,9 +109,7 @@ class Engine:
         self.eos = eos_token_ids
         self.decode_tail = decode_tail
         self.max_len = model.config.max_position_embeddings
-        # with CUDA graphs a step that carries a prefill chunk runs eagerly: admit in groups of 1/16 of the batch
-        group = max(1, spec.max_batch // 16) if cuda_graphs else 1
-        self.scheduler = Scheduler(spec, cache, self.max_len, admission_group=group)
+        self.scheduler = Scheduler(spec, cache, self.max_len)
         self.runner = ModelRunner(model, cache, spec, cuda_graphs)
         self.stats = RunStats()
 

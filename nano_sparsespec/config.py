@@ -173,7 +173,7 @@ class SpecConfig:
     prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill). Eagerly the
                  chunks are attended in runs of like length (runner.ModelRunner._dense_runs), so a large budget does
                  not pad them; with CUDA graphs they are a padded static step of their own beside the step's replay
-                 (runner.ModelRunner.launch), and the engine admits waiting requests in groups (scheduler.py)
+                 (runner.ModelRunner.launch)
     max_batch    requests running at once
     """
     method: str = "plain"

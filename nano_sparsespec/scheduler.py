@@ -21,12 +21,6 @@ or still prefilling) that has no result in flight moves wholly to the host pool,
 requests come back first-out first-in as soon as their blocks plus one step of headroom fit, and no waiting request
 is admitted while one is out.
 
-Admission in groups (`admission_group` rows, the engine's choice): a step that carries a prefill chunk runs eagerly on
-the CUDA-graph path, ~125 ms on the H200 with 128 requests in it against ~4 ms for a replayed step (eighteenth
-session), and speculating requests finish one at a time, so with more requests than rows each finish would cost such
-a step. Waiting requests are therefore admitted once `admission_group` rows are free, or as soon as all the waiting
-fit, or when nothing runs; with a group of 1 (the default) a free row takes the next request at once.
-
 Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step with its decisions.
 """
 from __future__ import annotations
@@ -114,12 +108,8 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, spec: SpecConfig, cache: KVCache, max_len: int, admission_group: int = 1):
-        if not isinstance(admission_group, int) or not 1 <= admission_group <= spec.max_batch:
-            raise ValueError(f"admission_group must be an integer in [1, max_batch={spec.max_batch}], "
-                             f"got {admission_group!r}")
+    def __init__(self, spec: SpecConfig, cache: KVCache, max_len: int):
         self.spec, self.cache, self.max_len = spec, cache, max_len
-        self.admission_group = admission_group
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []      # prefilling and decoding, in admission order
         self.offloaded: list[Sequence] = []    # in offload order
@@ -269,8 +259,6 @@ class Scheduler:
         return per_request * sum(1 for s in self.running if s.status == Status.RUNNING)
 
     def _admit(self) -> None:
-        if self.running and len(self.free_rows) < min(self.admission_group, len(self.waiting)):
-            return                           # admissions come in groups (module docstring)
         while self.waiting and not self.offloaded and self.free_rows:
             seq = self.waiting[0]
             first_chunk = min(seq.num_prompt, self.spec.prefill_chunk)

@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from conftest import GREEDY, run
-from nano_sparsespec import LLM, SamplingParams, async_loop
+from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.kv_cache import KVCache
 from nano_sparsespec.runner import StepResult
-from nano_sparsespec.scheduler import Scheduler, Sequence
 
 
 def test_batch_equals_each_prompt_alone(tiny_qwen3, prompts, plain_greedy):
@@ -136,42 +134,6 @@ def test_pool_too_small_for_one_request_is_a_clear_error(tiny_qwen3, prompts):
     _, outs = run(tiny_qwen3[0], prompts, method="pillar", kv_blocks=2, block_size=16)
     assert all(o.finish_reason == "error" and "KV pool too small" in o.error for o in outs if o.num_prompt_tokens)
     assert all(o.token_ids == [] for o in outs)
-
-
-def test_admissions_come_in_groups():
-    """A freed row waits until `admission_group` rows are free, or until the rows free hold every waiting request."""
-    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=64, block_size=4, dtype=torch.float32,
-                    device="cpu", host_blocks=0)
-    sched = Scheduler(SpecConfig(method="plain", max_batch=4), cache, max_len=4096, admission_group=2)
-    for i in range(7):
-        sched.add(Sequence(i, [1, 2, 3], SamplingParams(max_new_tokens=10), seed=0))
-    admitted = []
-    for step, finishing in enumerate([[], [0], [1], [2, 3], [4]]):
-        for seq_id in finishing:
-            sched.finish(next(s for s in sched.running if s.seq_id == seq_id), "length")
-        before = {s.seq_id for s in sched.running}
-        sched.schedule(step)
-        admitted.append(sorted({s.seq_id for s in sched.running} - before))
-    # the first four at once; a lone free row waits for a second; the last waiting request needs one row
-    assert admitted == [[0, 1, 2, 3], [], [4, 5], [6], []]
-    with pytest.raises(ValueError, match="admission_group.*got 5"):
-        Scheduler(SpecConfig(max_batch=4), cache, max_len=4096, admission_group=5)
-
-
-def test_admission_in_groups_is_lossless(tiny_qwen3, prompts, plain_greedy, monkeypatch):
-    """The engine with CUDA graphs admits in groups of max_batch // 16; forced to groups of 2 with 5 rows for 8
-    requests, speculation still writes plain greedy's tokens."""
-    groups = []
-
-    def grouped(spec, cache, max_len, admission_group):
-        groups.append(admission_group)
-        return Scheduler(spec, cache, max_len, admission_group=2)
-    monkeypatch.setattr(async_loop, "Scheduler", grouped)
-    _, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, batch_policy="balanced",
-                  async_verify=True, block_size=16, max_batch=5, prefill_chunk=32)
-    assert [o.token_ids for o in outs] == plain_greedy and groups == [1]
-    _, outs = run(tiny_qwen3[0], prompts[:1], method="pillar", max_batch=32, cuda_graphs=True)
-    assert groups == [1, 2]
 
 
 def test_bad_requests_do_not_lose_the_others(tiny_qwen3, prompts, plain_greedy):

@@ -28,8 +28,9 @@ finished request's slot takes the next waiting one), and the line of steps with 
 were: that traced why the seventeenth session's rows with 384 requests cost 1.6x more per step than with 128 (each
 admission was an eager step; BENCHMARKS.md, H200 eighteenth session).
 Session 19: a step's prefill chunks are a static step of their own (`ModelRunner.launch`), so the line of steps with a
-prefill chunk now times their two replays; `--admission-group G` overrides the engine's choice of admission group
-(`Scheduler(admission_group=...)`: max_batch // 16 with CUDA graphs), to measure what grouping still buys.
+prefill chunk times their two replays (and, unlike the lines above it, the recording of the prefill buckets first met
+in the timed run). `--admission-group G` (at fc10892) overrode the engine's admission groups: groups of 1 and of 8
+ran alike once prefill chunks were replayed, and the groups were removed.
 """
 import argparse
 import collections
@@ -105,12 +106,7 @@ def main():
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
     p.add_argument("--warm-up", type=int, default=0, help="first generate this many tokens, untimed")
-    p.add_argument("--admission-group", type=int, default=None, help="admit waiting requests in groups of this many")
     args = p.parse_args()
-    if args.admission_group is not None:
-        init = Scheduler.__init__
-        Scheduler.__init__ = lambda self, *a, admission_group=1, **kw: init(self, *a, **kw,
-                                                                            admission_group=args.admission_group)
     for cls, name, label in TIMED:
         add_timer(cls, name, label)
     time_prefill_launches()
