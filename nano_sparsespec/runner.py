@@ -608,10 +608,10 @@ class ModelRunner:
 
 
 def _joined(packed: list[torch.Tensor], scores: list[torch.Tensor | None], device) -> tuple:
-    """The checks' results of a step's parts (the static steps `ModelRunner.launch` runs) as one part's:
-    packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] (a part's missing draft columns are 0, never read: `num_drafts` says
-    how many are real) and scores [L, Bv_i, n_kv, L_i] -> [L, Bv, n_kv, max L] (the columns past a part's context
-    are 0, past every request's context: `select_pillar` masks them), or None where the parts have none."""
+    """The checks' results of a step's parts (the static steps `ModelRunner.launch` runs) as one step's, in part
+    order: packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] (the added draft columns are 0 and never read: `num_drafts`
+    says how many are real) and scores [L, Bv_i, n_kv, L_i] -> [L, Bv, n_kv, max L] (the added columns are 0 and
+    lie past every request's context, which `select_pillar` masks), or None where the parts have none."""
     if not packed:
         return torch.zeros(0, 3, dtype=torch.long, device=device), None
     if len(packed) == 1:

@@ -1,4 +1,6 @@
-"""What a step that carries a prefill chunk spends its time on, with CUDA graphs on (such a step runs eagerly).
+"""What a step that carries a prefill chunk spends its time on, with CUDA graphs on. Written at a025f0b, where such a
+step ran eagerly with the whole batch's decoding work in it (BENCHMARKS.md, H200 nineteenth session); since fc10892
+it is the replay of the decoding work plus a padded static step of the prefill chunks (`ModelRunner.launch`).
 
     PYTHONPATH=. python benchmarks/h200/session19/prefill_step.py --gguf G [--batch 128] [--requests 160]
         [--tokens 512] [--profile 2] [MODE ...]
