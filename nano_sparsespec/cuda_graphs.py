@@ -144,7 +144,13 @@ class StepGraphs:
 
         A step of prefill chunks (the runner runs them apart from the rest of their step) is one run of all its
         chunks, each padded to the longest rounded up to a power of two, at least 64 rows (what it costs in padding,
-        the GPU does in a fraction of a replay: a few buckets cover the benchmark's prompts)."""
+        the GPU does in a fraction of a replay: a few buckets cover the benchmark's prompts).
+
+        A draft gathers selection_width + window positions: the first is rounded to `width_step` (a multiple of 8),
+        the window to a multiple of 8, so each row of the sparse kernel's logits and probabilities starts 16-byte
+        aligned. With windows of 1, 2 or 4, cuBLAS ran those matmuls of a Qwen3-8B-shape draft step (64 x 8,000) in
+        fallback kernels, 6.7 of its 16.8 ms of GPU time; aligned, the step took 12.6 ms instead of 18.1
+        (benchmarks/h200/session20/draft_profile.py)."""
         s = shape
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
         queries, blocks, runs = s.dense_queries, round_up(s.dense_blocks, self.context_blocks), ()
@@ -153,7 +159,7 @@ class StepGraphs:
             runs = ((0, dense_batch, queries, blocks, True),)
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs, sparse_batch=sparse_batch,
-                       selection_width=round_up(s.selection_width, self.width_step), window=batch_bucket(s.window),
+                       selection_width=round_up(s.selection_width, self.width_step), window=round_up(s.window, 8),
                        lookup_context=round_up(s.lookup_context, self.context_step),
                        drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks))
 

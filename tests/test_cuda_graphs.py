@@ -37,6 +37,26 @@ def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, 
     assert outs == plain
 
 
+def test_drafts_gather_aligned_widths(tiny_qwen3, prompts, monkeypatch):
+    """A padded draft step gathers selection_width + window positions per (layer, KV head), a multiple of 8 (rows of
+    the sparse kernel's logits start 16-byte aligned; unaligned, cuBLAS fell back to slow kernels on the H200), also
+    when the windows themselves are short."""
+    windows, gathered = set(), set()
+    bucket = StepGraphs.bucket
+
+    def noted(self, shape):
+        padded = bucket(self, shape)
+        if shape.sparse_batch:
+            windows.add(shape.window)
+            gathered.add(padded.selection_width + padded.window)
+        return padded
+
+    monkeypatch.setattr(StepGraphs, "bucket", noted)
+    generate(tiny_qwen3[0], prompts[:3], SamplingParams(max_new_tokens=24, ignore_eos=True), cuda_graphs=True,
+             method="pillar", stride=4, min_budget=8, budget_ratio=0.1, max_batch=3)
+    assert min(windows) < 8 and all(width % 8 == 0 for width in gathered), (windows, gathered)
+
+
 def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypatch):
     """Every padded step (its tensors built from padded lists, forward, draft sampling, verification) against the
     eager step of the same plan at its own shape: the same verification results and drafts, PillarAttn scores

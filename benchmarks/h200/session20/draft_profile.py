@@ -1,0 +1,50 @@
+"""Where a draft step's GPU time goes at a Qwen3 shape (random weights), against a plain step of the same batch.
+
+    PYTHONPATH=. python benchmarks/h200/session20/draft_profile.py [--model qwen3-8b] [--batch 64] [--context 8000]
+
+Builds the bench's `StepProfiler` on the fast path (CUDA graphs, compiled kernels, as `LLM(compile=True,
+cuda_graphs=True)` sets them), replays each step kind a few times, then profiles `--steps` replays of a plain step and
+of a draft step with torch.profiler and prints the kernels by GPU time per step.
+"""
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nano_sparsespec import pillar_attn, verifier
+from nano_sparsespec.bench import StepProfiler, qwen3_shape, random_model
+from nano_sparsespec.model import compile_elementwise
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rows", type=int, default=18)
+    args = p.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    pillar_attn.compile_kernels(paged=True)
+    compile_elementwise()
+    verifier.compile_sampling()
+    model = random_model(qwen3_shape(args.model, args.context + 10), device, dtype)
+    prof = StepProfiler(model, args.batch, args.context, 8, device, dtype, 0.05, 128, 0.0, cuda_graphs=True)
+    for kind in ("plain", "draft"):
+        step = getattr(prof, kind)
+        for _ in range(3):
+            step()
+        times = sorted(step() for _ in range(5))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tracer:
+            for _ in range(args.steps):
+                step()
+        events = tracer.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / args.steps / 1e3
+        print(f"\n## {args.model} {args.batch}x{args.context} {kind}: median {times[2] * 1e3:.2f} ms per step "
+              f"(host-timed), {gpu:.2f} ms of kernels per step (budget {prof.budget})")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
+            print(f"  {e.self_device_time_total / args.steps / 1e3:8.3f} ms {e.count / args.steps:6.1f}x  {e.key[:100]}")
+
+
+if __name__ == "__main__":
+    main()
