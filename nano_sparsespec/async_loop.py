@@ -246,6 +246,15 @@ def default_device() -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
+    """What `LLM(compile=True)` switches on, for every model in this process: the compiled attention kernels (on a
+    GPU with CUDA graphs, the paged kernel: its shapes compile once per bucket), the layers' fused elementwise pieces,
+    and fused sampling and verification."""
+    pillar_attn.compile_kernels(paged=device.type == "cuda" and cuda_graphs)
+    compile_elementwise()
+    verifier.compile_sampling()
+
+
 class LLM:
     """`LLM(model).generate(prompts, params)` — the package's Python API.
 
@@ -279,10 +288,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if compile:
-            # the paged kernel compiles once per step shape: bucketed shapes (CUDA graphs) keep those few
-            pillar_attn.compile_kernels(paged=self.device.type == "cuda" and cuda_graphs)
-            compile_elementwise()
-            verifier.compile_sampling()
+            compile_fast_path(self.device, cuda_graphs)
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:

@@ -987,6 +987,8 @@ def _run(args, argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = llm.device if llm is not None else torch.device(args.device or async_loop.default_device())
+    if llm is None and args.compile:   # a profile of Qwen3 shapes alone: the fast path that loading a model switches on
+        async_loop.compile_fast_path(device, args.cuda_graphs)
     dtype = llm.dtype if llm is not None else async_loop.DTYPES.get(
         args.dtype or "", torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.profile_reps is None:

@@ -163,6 +163,21 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
     assert "Step profile" in capsys.readouterr().out
 
 
+def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
+    """`--compile` profiles the fast path whether or not a model is loaded: with Qwen3 shapes alone (no LLM built)
+    the compiled kernels are switched on all the same (else such a profile would time the eager kernels)."""
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+                                                               num_kv_heads=2, head_dim=16, intermediate_size=128,
+                                                               vocab_size=300, tie_word_embeddings=True))
+    switched = []
+    monkeypatch.setattr(bench.async_loop, "compile_fast_path", lambda device, graphs: switched.append((device, graphs)))
+    argv = ["--profile-steps", "--profile-shapes", "1x32", "--profile-models", "qwen3-tiny", "--stride", str(K),
+            "--min-budget", "8", "--profile-reps", "1", "--device", "cpu", "--threads", "1",
+            "--json-out", str(tmp_path / "p.json")]
+    assert bench.main(argv) == 0 and switched == []
+    assert bench.main(argv + ["--compile"]) == 0 and switched == [(torch.device("cpu"), False)]
+
+
 def test_bad_arguments(tiny_qwen3, capsys):
     assert bench.main(["--model", str(tiny_qwen3[0]), "--rows", "plain,nonsense"]) == 2
     assert "unknown row 'nonsense'" in capsys.readouterr().err
