@@ -6,7 +6,8 @@
 # tests of this checkout; SPLIT="mode ..." engine_split for each version of ORDER (default "base head"), each in its
 # own process; ROWS_T="0.6" the rows of this checkout (ROWS, NREQ, TOKENS, EXTRA as in session10/run_b.sh);
 # PROFILE="mode ..." (session 12) engine_profile.py of this checkout with PROFILE_FLAGS (default --by-source: eager
-# steps, kernels grouped by the package functions that launched them; "" profiles the CUDA-graph steps).
+# steps, kernels grouped by the package functions that launched them; "" profiles the CUDA-graph steps), over
+# PROFILE_TOKENS new tokens (default 1024) from step PROFILE_FIRST (default 520; session 20).
 set -o pipefail
 if [ ! -f /root/m/smollm2.gguf ]; then
   cp .gpu/part_ab /root/m/ && cat /root/m/part_aa /root/m/part_ab > /root/m/smollm2.gguf
@@ -30,7 +31,7 @@ if [ -n "$SPLIT" ]; then
 fi
 if [ -n "$PROFILE" ]; then
   (cd benchmarks/h200/session6 && PYTHONPATH=$HEAD:/root/site python engine_profile.py --gguf $G --batch 128 \
-    --tokens 1024 --first 520 --steps 20 --rows 40 ${PROFILE_FLAGS---by-source} $PROFILE 2>&1 | grep -v -i warn) \
+    --tokens ${PROFILE_TOKENS:-1024} --first ${PROFILE_FIRST:-520} --steps 20 --rows 40 ${PROFILE_FLAGS---by-source} $PROFILE 2>&1 | grep -v -i warn) \
     | tee $OUT/profile_call$call.txt
 fi
 for T in $ROWS_T; do
