@@ -43,7 +43,8 @@ def main():
         print(f"\n## {args.model} {args.batch}x{args.context} {kind}: median {times[2] * 1e3:.2f} ms per step "
               f"(host-timed), {gpu:.2f} ms of kernels per step (budget {prof.budget})")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
-            print(f"  {e.self_device_time_total / args.steps / 1e3:8.3f} ms {e.count / args.steps:6.1f}x  {e.key[:100]}")
+            ms, calls = e.self_device_time_total / args.steps / 1e3, e.count / args.steps
+            print(f"  {ms:8.3f} ms {calls:6.1f}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":
