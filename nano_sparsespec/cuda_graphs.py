@@ -127,11 +127,11 @@ class StepGraphs:
     """One `StaticStep` per bucket met so far. `compute(shape, lists) -> outputs` is the runner's device step (it
     builds every tensor of the step from the named lists and runs it); `block_size` the KV pool's; `state` the
     tensors a step may read and then rewrite (the runner's draft tokens: a plain step that runs ahead reads the
-    token in flight and writes its own in the same place)."""
+    token in flight and writes its own in the same place); `rows` the runner's request rows."""
 
-    def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], context_step: int = 256,
-                 width_step: int = 32):
-        self.compute, self.state = compute, state
+    def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
+                 context_step: int = 256, width_step: int = 32):
+        self.compute, self.state, self.rows = compute, state, rows
         self.context_blocks = math.lcm(context_step, block_size) // block_size     # dense context: whole blocks
         self.context_step, self.width_step = self.context_blocks * block_size, width_step
         self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
@@ -146,10 +146,11 @@ class StepGraphs:
         chunks, each padded to the longest rounded up to a power of two, at least 64 rows (what it costs in padding,
         the GPU does in a fraction of a replay: a few buckets cover the benchmark's prompts).
 
-        A draft gathers selection_width + window positions: the first is rounded to `width_step` (a multiple of 8),
-        the window to a multiple of 8, so each row of the sparse kernel's logits and probabilities starts 16-byte
-        aligned. With windows of 1, 2 or 4, cuBLAS ran those matmuls of a Qwen3-8B-shape draft step (64 x 8,000) in
-        fallback kernels, 6.7 of its 16.8 ms of GPU time; aligned, the step took 12.6 ms instead of 18.1
+        A draft step reads rows [0, sparse_rows] of the draft buffers (rounded as batches are, at most the scratch
+        row), selection_width (rounded to `width_step`) + lookups + window (rounded to 8) columns of each, which the
+        runner rounds to a multiple of 8: each row of the sparse kernel's logits and probabilities then starts
+        16-byte aligned. Unaligned, cuBLAS ran those matmuls of a Qwen3-8B-shape draft step (64 x 8,000) in fallback
+        kernels, 6.7 of its 16.8 ms of GPU time; aligned, the step took 12.6 ms instead of 18.1
         (benchmarks/h200/session20/draft_profile.py)."""
         s = shape
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
@@ -159,6 +160,7 @@ class StepGraphs:
             runs = ((0, dense_batch, queries, blocks, True),)
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs, sparse_batch=sparse_batch,
+                       sparse_rows=min(batch_bucket(s.sparse_rows), self.rows),
                        selection_width=round_up(s.selection_width, self.width_step), window=round_up(s.window, 8),
                        lookup_context=round_up(s.lookup_context, self.context_step),
                        drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks))

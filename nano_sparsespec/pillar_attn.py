@@ -1,4 +1,4 @@
-"""Attention in plain torch: dense over a request's whole KV, sparse over a gathered set, and critical-token selection.
+"""Attention in plain torch: dense over a request's whole KV, sparse over a copied set, and critical-token selection.
 
 Owns
   * `attend(layer, q, k, v, ctx)`: the one attention call the model makes. It writes this step's K/V into the paged
@@ -9,8 +9,11 @@ Owns
         Gather-then-attend scores each layer from the keys it gathered (a verification's output and scores from one
         set of probabilities); the paged kernel keeps the layer's queries, and `finish` (once per forward, after the
         layers) scores all layers in one batched pass;
-      - sparse attention for draft tokens: each draft query attends only to its gathered slots (the critical positions
-        of its layer and KV head, plus every position written since the last verification).
+      - sparse attention for draft tokens: each draft query attends only to its request's row of the draft buffers:
+        the K/V of the critical positions of its layer and KV head, copied there once per selection
+        (`fill_draft_buffers`), then of every position written since the last verification (each draft writes its
+        own). A draft step reads them where they lie, no gather per step: its cost is that of a decode step over
+        the budget plus the window.
     Both are batched over requests and heads: no Python loop over requests x layers x heads.
   * the critical-token selection policies: `select_pillar` (top-B of the verification scores; B per request from
     `SpecConfig.budget`), `select_streaming` (StreamingLLM: sinks + most recent), used as the baseline. The first
@@ -69,10 +72,16 @@ def causal_mask(q_start: torch.Tensor, q_valid: torch.Tensor, context: int) -> t
 
 @dataclass
 class SparseBatch:
-    """Draft tokens that attend to a gathered set of positions: critical positions + the recent window."""
+    """Draft tokens that attend to their request's row of the draft buffers (`AttentionContext.draft_k` / `draft_v`):
+    copies of its critical positions' K/V, made once per selection (`ModelRunner.set_selections`), then the K/V
+    its drafts have written since the last verification. A draft step reads them where they lie: no gather."""
     q_index: torch.Tensor        # [Bs]              row of each draft token in the step's flat token list
-    kv_index: torch.Tensor       # [L, Bs, n_kv, S]  flat index slot * n_kv + kv_head into the pool viewed [slots*n_kv, D]
-    valid: torch.Tensor          # [Bs, S] bool      real entry (False: padding)
+    read_row: torch.Tensor       # [Bs]              its row in `valid` and in the draft buffers (a padding draft: R,
+                                 #                   a row no draft of the step reads)
+    write_index: torch.Tensor    # [Bs, n_kv]        where its own K/V go, rows of one layer's draft buffer viewed
+                                 #                   [(rows + 1) * n_kv * C, D] (a padding draft: the scratch row's)
+    valid: torch.Tensor          # [L, R + 1, n_kv, N] bool  the buffer columns each row attends to (rows no draft
+                                 #                   reads: column 0 alone, a finite softmax; their output is dropped)
 
 
 @dataclass
@@ -81,6 +90,8 @@ class AttentionContext:
     v_cache: torch.Tensor        # [L, slots, n_kv, head_dim], slot = block * block_size + offset
     slot_mapping: torch.Tensor   # [T]   where this step's K/V are written
     block_size: int              # slots per pool block
+    draft_k: torch.Tensor | None = None   # [L, rows + 1, n_kv, C, D] per request row: its critical positions' K/V,
+    draft_v: torch.Tensor | None = None   #   then its drafts' since the last verification (`SparseBatch`)
     dense: DenseBatch | None = None
     sparse: SparseBatch | None = None
 
@@ -131,9 +142,16 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 d.score_queries[layer] = q[d.q_index]                                  # [Bd, Qmax, n_heads, D]
     if ctx.sparse is not None:
         s = ctx.sparse
-        head_dim = q.shape[-1]
-        out[s.q_index] = _kernels["sparse"](q[s.q_index], ctx.k_cache[layer].view(-1, head_dim),
-                                            ctx.v_cache[layer].view(-1, head_dim), s.kv_index[layer], s.valid)
+        _, rows_read, n_kv, N = s.valid.shape
+        D = q.shape[-1]
+        keys, values = ctx.draft_k[layer], ctx.draft_v[layer]                          # [rows + 1, n_kv, C, D]
+        # the drafts' own K/V join their rows' buffers (one row of D per KV head)
+        _kernels["store"](keys.view(-1, 1, D), values.view(-1, 1, D), s.write_index.flatten(),
+                          k[s.q_index].view(-1, 1, D), v[s.q_index].view(-1, 1, D))
+        queries = q.new_zeros(rows_read, *q.shape[1:])                                 # [R + 1, n_heads, D]
+        queries[s.read_row] = q[s.q_index]
+        rows_out = _kernels["sparse"](queries, keys[:rows_read, :, :N], values[:rows_read, :, :N], s.valid[layer])
+        out[s.q_index] = rows_out[s.read_row]
     return out
 
 
@@ -191,13 +209,36 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, 
     v_layer[slots] = v
 
 
+def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: torch.Tensor, draft_v: torch.Tensor,
+                       columns_per_row: int, block_table: torch.Tensor, block_size: int, positions: torch.Tensor,
+                       rows: torch.Tensor, columns: torch.Tensor) -> None:
+    """Copy the pool's K/V of positions into rows of the draft buffers, every layer and KV head at once (one gather
+    and one scatter per pool).
+
+    k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: the draft buffers [L, rows + 1, n_kv, C, D] viewed
+    [L, (rows + 1) * n_kv * C, D] (C = columns_per_row); block_table: [B, blocks] of the requests in `rows` [B];
+    positions: [B, L, n_kv, n] per layer and KV head; columns: [B, n] where they go in each (layer, KV head) of the
+    row. Not compiled: on the H200 a compiled version that took the buffers whole (and viewed them inside) made the
+    engine's steps ~1.9 ms slower on the embedded model (benchmarks/h200/session21/raw/engine_split_head_call5.txt),
+    as writes through a view of an input copy the whole input out and back (`store_kv`)."""
+    L, _, n_kv, D = k_cache.shape
+    slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) * block_size \
+        + positions % block_size                                                        # [B, L, n_kv, n]
+    heads = torch.arange(n_kv, device=positions.device)[:, None]                        # [n_kv, 1]
+    source = (slots * n_kv + heads).transpose(0, 1).reshape(L, -1, 1)                  # rows of [slots * n_kv, D]
+    target = (rows[:, None, None] * n_kv + heads) * columns_per_row + columns[:, None, :]   # [B, n_kv, n]
+    target = target[None].expand(L, -1, -1, -1).reshape(L, -1, 1)                      # rows of draft_k
+    for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
+        buffer.scatter_(1, target.expand(-1, -1, D), cache.view(L, -1, D).gather(1, source.expand(-1, -1, D)))
+
+
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """table[index] for a 2-D table, each row copied whole: [rows, width], index [...] -> [..., width].
 
     `index_select` rather than advanced indexing, which computes an offset per element: on the CPU, in isolation, it
-    gathers a plain step's blocks 4x and a draft's (position, KV head) rows 14x faster (step_anatomy.py sparse cpu,
-    8 x 1,024); in whole CPU steps a draft got ~20% faster and a plain step did not change beyond the noise. Same
-    speed on the H200."""
+    gathers a plain step's blocks 4x and rows per (position, KV head) 14x faster (step_anatomy.py sparse cpu, 8 x
+    1,024; drafts gathered such rows at every step before they had draft buffers); in whole CPU steps a draft got
+    ~20% faster and a plain step did not change beyond the noise. Same speed on the H200."""
     return table.index_select(0, index.flatten()).view(*index.shape, table.shape[1])
 
 
@@ -283,19 +324,20 @@ def attention_logits(q, k, mask):
     return logits.masked_fill(~mask[:, None, None], float("-inf"))
 
 
-def sparse_attention(q, k_rows, v_rows, index, valid):
-    """Each query attends to its own gathered positions.
+def sparse_attention(q, k, v, valid):
+    """Each draft attends to its row of the draft buffers, where the K/V lie (no gather).
 
-    q: [B, n_heads, D]; k_rows, v_rows: [slots * n_kv, D] one layer's pool, a row per (slot, KV head);
-    index: [B, n_kv, S] the rows each KV head of each query attends to; valid: [B, S] bool -> [B, n_heads, D]
+    q: [R, n_heads, D] a query per row; k, v: [R, n_kv, N, D] one layer's draft buffers, their first N columns;
+    valid: [R, n_kv, N] bool the columns each (row, KV head) attends to -> [R, n_heads, D]
+    The G query heads of a KV head read its keys in one matmul (batched over rows x KV heads: each (row, KV head)'s
+    columns are contiguous, so no copy is made).
     """
-    B, H, D = q.shape
-    n_kv = index.shape[1]
-    k, v = gather_rows(k_rows, index), gather_rows(v_rows, index)                        # [B, n_kv, S, D]
-    q = q.view(B, n_kv, H // n_kv, D)                                                  # [B, n_kv, G, D]
-    logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [B, n_kv, G, S]
-    probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs.to(v.dtype), v).reshape(B, H, D)
+    R, H, D = q.shape
+    n_kv = k.shape[1]
+    q = q.view(R, n_kv, H // n_kv, D)                                                  # [R, n_kv, G, D]
+    logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [R, n_kv, G, N]
+    probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).reshape(R, H, D)
 
 
 # The kernels `attend` calls; "paged" is None unless the paged path is on (see `prepare`).
@@ -306,9 +348,11 @@ def compile_kernels(paged: bool = False) -> None:
     """Swap in torch.compile'd versions of the K/V write, the score pass and the sparse kernel (dynamic shapes; same
     results within float tolerance), and with `paged` the paged dense kernels (static shapes: flex_attention's decoding
     kernel wants them; one compilation per padded step shape, hence the higher recompile limit). Made for the GPU: the
-    compiled sparse kernel (gathers + matmuls) runs a 112-draft step's 30 layers in 0.90 ms on the H200 against 2.96
-    eager and 2.37 for a fused form of elementwise products that the compiler turned into two reductions (what this used
-    until session 6: benchmarks/h200/session6/sparse_kernel.py); on the CPU compiled kernels were not faster
+    sparse kernel as matmuls, compiled, ran a 112-draft step's 30 layers in 0.90 ms on the H200 (then with its
+    gathers) against 2.96 eager and 2.37 for a fused form of elementwise products that the compiler turned into two
+    reductions (benchmarks/h200/session6/sparse_kernel.py; at a Qwen3-8B draft's shape such forms, reading the pool in
+    place, were 2.5-2.8x slower than gathers + matmuls: benchmarks/h200/session21/sparse_forms.py, which is why drafts
+    got draft buffers instead); on the CPU compiled kernels were not faster
     (step_anatomy.py sparse cpu), and torch 2.13's CPU compiler failed on the paged kernel's verification shape
     (benchmarks/h200/session5/paged.py ... cpu). Without `paged`, dense attention over gathered K/V stays eager
     (compiled, SDPA ran 2x slower than cuDNN's on the H200: BENCHMARKS.md, H200 second session). The score pass
@@ -424,29 +468,37 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
     return positions, valid & ~repeated
 
 
-def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
-                 lookup_valid: torch.Tensor) -> torch.Tensor:
-    """Put the lookup positions inside each (layer, KV head)'s budget, in place of the lowest-ranked critical ones.
+def kept_beside_lookups(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
+                        lookup_valid: torch.Tensor) -> torch.Tensor:
+    """Which critical positions a pillar-lookup draft keeps beside its lookups, so that their number stays the budget.
 
     selection: [B, L, n_kv, N] critical positions in rank order (best first, as `select_pillar` returns them), the
     first selection_len [B] of them real; lookup, lookup_valid: [B, M] from `lookup_positions`.
     Per (layer, KV head): drop the positions the lookup already holds, then the lowest-ranked others, so that the
-    kept ones plus the valid lookups number exactly selection_len again.
-    -> merged [B, L, n_kv, N]: the kept positions in rank order, then the valid lookups in lookup order, selection_len
-    of them in all (the rest is padding). Same width as the selection: a draft step gathers B + window entries.
-    """
-    B, L, n_kv, N = selection.shape
+    kept ones plus the valid lookups number exactly selection_len again -> keep [B, L, n_kv, N] bool."""
+    N = selection.shape[-1]
     held = ((selection[..., None] == lookup[:, None, None, None, :])
             & lookup_valid[:, None, None, None, :]).any(-1)                                        # [B, L, n_kv, N]
     kept_len = selection_len - lookup_valid.sum(1)                                                 # [B]
     real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]              # [B, N]
     keep = ~held & real[:, None, None, :]
-    rank = keep.cumsum(-1)
-    keep &= rank <= kept_len[:, None, None, None]
-    target = torch.where(keep, rank - 1, N)                               # kept -> front; dropped -> a spare column
+    return keep & (keep.cumsum(-1) <= kept_len[:, None, None, None])
+
+
+def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
+                 lookup_valid: torch.Tensor) -> torch.Tensor:
+    """The positions a pillar-lookup draft attends to besides its window, as one list (the engine's drafts attend to
+    the same set from their draft buffers: `kept_beside_lookups`' columns, then the lookups' own).
+
+    Arguments as `kept_beside_lookups` -> merged [B, L, n_kv, N]: the kept positions in rank order, then the valid
+    lookups in lookup order, selection_len of them in all (the rest is padding)."""
+    B, L, n_kv, N = selection.shape
+    keep = kept_beside_lookups(selection, selection_len, lookup, lookup_valid)
+    target = torch.where(keep, keep.cumsum(-1) - 1, N)                    # kept -> front; dropped -> a spare column
     merged = torch.zeros(B, L, n_kv, N + 1, dtype=selection.dtype, device=selection.device)
     merged.scatter_(-1, target, selection)
     # the valid lookups follow the kept ones: column kept_len + their rank among the valid ones (< selection_len)
+    kept_len = selection_len - lookup_valid.sum(1)                                                 # [B]
     after = torch.where(lookup_valid, kept_len[:, None] + lookup_valid.cumsum(1) - 1, N)          # [B, M]
     M = lookup.shape[1]
     merged.scatter_(-1, after[:, None, None, :].expand(B, L, n_kv, M), lookup[:, None, None, :].expand(B, L, n_kv, M))

@@ -8,7 +8,8 @@ Owns
     sparsely and to which slots) from those lists;
   * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling; for plain
     decoding that runs ahead, column 0 holds the token of the step in flight), the critical positions each
-    request's drafts attend to, each request's sampling parameters (sent once per request), and a mirror of each
+    request's drafts attend to and the draft buffers that hold their K/V (copied once per selection: a draft step
+    reads them in place, `pillar_attn.SparseBatch`), each request's sampling parameters (sent once per request), and a mirror of each
     request's block table (updated with only the entries that changed, so a step does not rebuild [B, blocks] tables
     from Python lists);
   * after the forward, as its `Readout` says: sampling draft tokens (`verifier.sample_drafts`), and verification
@@ -48,8 +49,9 @@ class StepShape:
     dense_blocks: int            # Lmax / block_size: context blocks per dense request
     scores: bool                 # PillarAttn scores wanted
     sparse_batch: int            # Bs: draft tokens attending sparsely
-    selection_width: int         # Nsel: critical positions gathered per (layer, KV head)
-    window: int                  # W: recent positions gathered (written since the last verification)
+    sparse_rows: int             # R: rows of the draft buffers a draft step reads (its drafts' highest row + 1)
+    selection_width: int         # Nsel: critical positions per (layer, KV head) a draft attends to
+    window: int                  # W: recent positions it attends to (written since the last verification)
     lookup_context: int          # Lc: verified positions a pillar-lookup draft searches (0 other methods)
     drafts: int                  # Nd: draft tokens sampled
     checks: int                  # Bv: verifications and last prefill chunks
@@ -163,7 +165,7 @@ class ModelRunner:
         # dense requests, sparse drafts) reads and writes there, never in a request's row.
         self.scratch_row = rows
         self.draft_tokens = torch.zeros(rows + 1, k, **long)                                  # [rows + 1, k]
-        self.graphs = StepGraphs(self._compute, cache.block_size, [self.draft_tokens]) if cuda_graphs else None
+        self.graphs = StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows) if cuda_graphs else None
         self.draft_probs: torch.Tensor | None = None                                          # [rows + 1, k, V]
         # The buffers below are read by recorded graphs, which keep their addresses: one that must grow is
         # reallocated and the graphs are dropped (`_widen`); the first two are made wide enough not to.
@@ -178,13 +180,21 @@ class ModelRunner:
         self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)                # [rows + 1, capacity]
         self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
         # the critical positions each row's drafts attend to, in rank order; the first selection_len[row] are real.
-        # With CUDA graphs it is wide enough at once for the budget of the longest context: the first graphs are
-        # recorded before any selection is made (a prefill step's), and widening drops them.
+        # With CUDA graphs it (and the draft buffers, sized from it) is wide enough at once for the budget of the
+        # longest context: the first graphs are recorded before any selection is made (a prefill step's), and
+        # widening drops them.
         width = 0
         if cuda_graphs and spec.method in ("pillar", "pillar-lookup", "streaming"):
             width = round_up(spec.budget(cfg.max_position_embeddings), self.graphs.width_step)
         self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)  # [rows + 1, L, n_kv, N]
         self.selection_len = [0] * rows
+        # The draft buffers: per row, the K/V of its critical positions (copied once per selection), then, for
+        # pillar-lookup, those of its draft's lookups (rewritten at each draft step), then those its drafts write
+        # (`SparseBatch`): as wide as the selection buffer, plus `lookups` + k columns. Made by the first selection
+        # or draft step.
+        self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
+        self.draft_k: torch.Tensor | None = None                                       # [L, rows + 1, n_kv, C, D]
+        self.draft_v: torch.Tensor | None = None
         # each row's sampling parameters, sent once when a request takes the row
         self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * (rows + 1), [0] * (rows + 1),
                                                              self.device)
@@ -201,10 +211,26 @@ class ModelRunner:
             self.graphs.forget()
         return grown
 
+    def _widen_draft_buffers(self, selection_width: int) -> None:
+        """Make the draft buffers wide enough for selections of `selection_width` positions (a copy keeps what they
+        hold; like `_widen`, it drops the recorded graphs)."""
+        columns = round_up(selection_width + self.lookups + round_up(self.spec.stride, 8), 8)   # >= a bucket's N
+        old = (self.draft_k, self.draft_v)
+        had = 0 if old[0] is None else old[0].shape[-2]
+        if columns <= had:
+            return
+        shape = (self.num_layers, self.scratch_row + 1, self.n_kv, max(columns, 2 * had), self.model.config.head_dim)
+        self.draft_k, self.draft_v = (self.cache.k.new_zeros(shape) for _ in range(2))
+        if had:
+            self.draft_k[..., :had, :], self.draft_v[..., :had, :] = old
+            if self.graphs is not None:
+                self.graphs.forget()
+
     # --- critical positions ------------------------------------------------------------------------------------------
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
     def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
-        """Store, for each request, the positions [L, n_kv, n] its next drafts attend to (besides the recent window).
+        """Store, for each request, the positions [L, n_kv, n] its next drafts attend to (besides the recent window),
+        and copy their K/V into its row of the draft buffers, where its drafts read them until the next selection.
 
         One write for all of them: the shorter selections are padded to the longest, and the padding columns lie
         beyond their row's `selection_len`, where drafts do not read."""
@@ -217,9 +243,24 @@ class ModelRunner:
         self.selection = self._widen(self.selection, columns if self.graphs is None else
                                      round_up(columns, self.graphs.width_step))
         padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) if p.shape[-1] < n else p for p in positions])
-        self.selection[self._dev([s.row for s in seqs]), :, :, :n] = padded        # [B, L, n_kv, n]
+        rows = self._dev([s.row for s in seqs])
+        self.selection[rows, :, :, :n] = padded                                         # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
+        self._widen_draft_buffers(self.selection.shape[-1])
+        # (from the host's block tables: the device mirror is brought up to date only by the next step)
+        tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
+        width = max(len(t) for t in tables)
+        block_table = self._dev([t + [t[0]] * (width - len(t)) for t in tables])     # [B, blocks]
+        self._fill_draft_buffers(block_table, padded, rows, torch.arange(n, device=self.device).expand(len(seqs), -1))
+
+    def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                            columns: torch.Tensor) -> None:
+        """`pillar_attn.fill_draft_buffers` into this runner's draft buffers."""
+        L, C, D = self.num_layers, self.draft_k.shape[-2], self.draft_k.shape[-1]
+        pillar_attn.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k.view(L, -1, D),
+                                       self.draft_v.view(L, -1, D), C, block_table, self.cache.block_size, positions,
+                                       rows, columns)
 
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
     def set_context_tokens(self, seq: Sequence) -> None:
@@ -247,7 +288,8 @@ class ModelRunner:
             dense_blocks=-(-max((w.start + w.num_tokens for w in dense), default=0) // self.cache.block_size),
             scores=self.spec.method in ("pillar", "pillar-lookup") and any(w.kind == "verify" or w.final_prefill
                                                                            for w in dense),
-            sparse_batch=len(sparse), selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
+            sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
+            selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
             window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),
             lookup_context=max((w.seq.num_verified for w in sparse), default=0)
             if self.spec.method == "pillar-lookup" else 0,
@@ -353,10 +395,10 @@ class ModelRunner:
     def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
         seqs = [w.seq for w, _ in sparse]
         lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
-                 "sparse_verified": [s.num_verified for s in seqs],
                  "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
                  "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}  # written since verification
         if self.spec.method == "pillar-lookup":
+            lists["sparse_verified"] = [s.num_verified for s in seqs]
             # The token before each draft's input: committed (mirrored in context_tokens, the pending one included)
             # or one of this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
             prev = [w.start - 1 for w, _ in sparse]
@@ -479,6 +521,8 @@ class ModelRunner:
         self._apply_table_changes(dev.get("table_changes"),
                                   max([shape.dense_blocks] + [column + 1 for _, column, _ in changes]))
         self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
+        if plan.sparse:
+            self._widen_draft_buffers(self.selection.shape[-1])
         if static:
             packed, scores = self.graphs.run(shape, upload, names)    # valid until the next replay
         else:
@@ -494,7 +538,8 @@ class ModelRunner:
         -> packed results [Bv, 3 + M], and the dense batch's PillarAttn scores [L, Bd, n_kv, Lmax] or None."""
         feed = lists["feed_from"]                                                       # [T]
         input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)], lists["input_ids"])
-        ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size)
+        ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size, draft_k=self.draft_k,
+                               draft_v=self.draft_v)
         if shape.dense_batch:
             ctx.dense = self._dense_batch(shape, lists)
         if shape.sparse_batch:
@@ -508,13 +553,6 @@ class ModelRunner:
         return self._verify(check_logits, readout), ctx.dense.scores if ctx.dense is not None else None
 
     # --- the step's tensors, on the device ---------------------------------------------------------------------------
-    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pool slots of positions [B, ...] of the requests in `rows` [B] (read from their device block tables)."""
-        bs = self.cache.block_size
-        flat = positions.reshape(positions.shape[0], -1)
-        column = (flat // bs).clamp(max=self.block_tables.shape[1] - 1)
-        return (self.block_tables[rows[:, None], column] * bs + flat % bs).view(positions.shape)
-
     def _dense_batch(self, shape: StepShape, dev: dict[str, torch.Tensor]) -> DenseBatch:
         Q, L = shape.dense_queries, shape.dense_blocks * self.cache.block_size
         starts, q_lens = dev["dense_start"], dev["dense_q_len"]                        # [Bd]
@@ -535,25 +573,35 @@ class ModelRunner:
         return batch
 
     def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor], input_ids: torch.Tensor) -> SparseBatch:
-        rows, verified, n_sel = dev["sparse_row"], dev["sparse_verified"], dev["sparse_n_sel"]   # [Bs]
-        Nsel, W = shape.selection_width, shape.window
-        sel_pos = self.selection[rows, :, :, :Nsel]                                     # [Bs, L, n_kv, Nsel]
-        sel_valid = torch.arange(Nsel, device=self.device)[None] < n_sel[:, None]      # [Bs, Nsel]
+        """A draft attends to columns of its row of the draft buffers: [its n_sel critical positions | its lookups
+        (pillar-lookup) | its window], the window being the positions written since the last verification, its own
+        included (its K/V are written there this step)."""
+        rows, n_sel, window = dev["sparse_row"], dev["sparse_n_sel"], dev["sparse_window"]   # [Bs]
+        L, n_kv, M, R = self.num_layers, self.n_kv, self.lookups, shape.sparse_rows
+        N = round_up(shape.selection_width + M + shape.window, 8)    # 8-aligned rows of logits (cuda_graphs.bucket)
+        column = torch.arange(N, device=self.device)                                     # [N]
+        first_window = (n_sel + M)[:, None]                                             # [Bs, 1]
+        seen = (column < n_sel[:, None]) | ((column >= first_window) & (column < first_window + window[:, None]))
+        seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)                          # [Bs, L, n_kv, N]
         if self.spec.method == "pillar-lookup":
-            # Refreshed at every draft step: positions found from this draft's input token replace the lowest-ranked
-            # critical positions of each (layer, KV head); the count stays the budget.
-            # Same width and count as the selection (sel_valid holds): the step gathers B + window entries.
+            # Refreshed at every draft step: positions found from this draft's input token take the place of the
+            # lowest-ranked critical positions of each (layer, KV head); the count stays the budget.
             lookup, lookup_valid = self._lookups(shape, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
-            sel_pos = pillar_attn.merge_lookup(sel_pos, n_sel, lookup, lookup_valid)     # [Bs, L, n_kv, Nsel]
-        win_pos = verified[:, None] + torch.arange(W, device=self.device)               # [Bs, W]
-        sel_slots = self._slots(rows, sel_pos)                                        # [Bs, L, n_kv, Nsel]
-        win_slots = self._slots(rows, win_pos)[:, None, None, :].expand(-1, self.num_layers, self.n_kv, -1)
-        slots = torch.cat([sel_slots, win_slots], dim=-1)                               # [Bs, L, n_kv, S]
-        heads = torch.arange(self.n_kv, device=self.device)[None, None, :, None]
-        kv_index = (slots * self.n_kv + heads).permute(1, 0, 2, 3).contiguous()         # [L, Bs, n_kv, S]
-        win_valid = torch.arange(W, device=self.device)[None] < dev["sparse_window"][:, None]
-        valid = torch.cat([sel_valid, win_valid], dim=1)                                # [Bs, S]
-        return SparseBatch(dev["sparse_first_row"], kv_index, valid)
+            keep = pillar_attn.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width], n_sel,
+                                                   lookup, lookup_valid)              # [Bs, L, n_kv, Nsel]
+            lookup_column = n_sel[:, None] + torch.arange(M, device=self.device)       # [Bs, M]
+            self._fill_draft_buffers(self.block_tables[rows], lookup[:, None, None, :].expand(-1, L, n_kv, -1), rows,
+                                     lookup_column)
+            found = ((column == lookup_column[:, :, None]) & lookup_valid[:, :, None]).any(1)        # [Bs, N]
+            seen = (seen & (column >= n_sel[:, None])[:, None, None, :]) | F.pad(keep, (0, N - keep.shape[-1])) \
+                | found[:, None, None, :]
+        read_row = rows.clamp(max=R)                                   # padding drafts (the scratch row): row R
+        valid = torch.zeros(L, R + 1, n_kv, N, dtype=torch.bool, device=self.device)
+        valid[..., 0] = True                                           # rows no draft reads: column 0, finite
+        valid[:, read_row] = seen.transpose(0, 1)
+        heads = torch.arange(n_kv, device=self.device)
+        write_index = (rows[:, None] * n_kv + heads) * self.draft_k.shape[-2] + first_window + window[:, None] - 1
+        return SparseBatch(dev["sparse_first_row"], read_row, write_index, valid)
 
     def _lookups(self, shape: StepShape, dev: dict[str, torch.Tensor], tokens: torch.Tensor):
         """pillar-lookup: the positions each draft's input token `tokens` [Bs] finds in its verified context."""

@@ -37,24 +37,24 @@ def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, 
     assert outs == plain
 
 
-def test_drafts_gather_aligned_widths(tiny_qwen3, prompts, monkeypatch):
-    """A padded draft step gathers selection_width + window positions per (layer, KV head), a multiple of 8 (rows of
-    the sparse kernel's logits start 16-byte aligned; unaligned, cuBLAS fell back to slow kernels on the H200), also
-    when the windows themselves are short."""
-    windows, gathered = set(), set()
-    bucket = StepGraphs.bucket
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_drafts_read_aligned_widths(tiny_qwen3, prompts, monkeypatch, cuda_graphs):
+    """A draft step reads a multiple of 8 columns of the draft buffers (rows of the sparse kernel's logits start
+    16-byte aligned; unaligned, cuBLAS fell back to slow kernels on the H200), eager or padded, whatever its
+    selections, lookups (2 columns here) and windows."""
+    widths = []
+    sparse_batch = ModelRunner._sparse_batch
 
-    def noted(self, shape):
-        padded = bucket(self, shape)
-        if shape.sparse_batch:
-            windows.add(shape.window)
-            gathered.add(padded.selection_width + padded.window)
-        return padded
+    def noted(self, shape, dev, input_ids):
+        batch = sparse_batch(self, shape, dev, input_ids)
+        widths.append((shape.selection_width + self.lookups + shape.window, batch.valid.shape[-1]))
+        return batch
 
-    monkeypatch.setattr(StepGraphs, "bucket", noted)
-    generate(tiny_qwen3[0], prompts[:3], SamplingParams(max_new_tokens=24, ignore_eos=True), cuda_graphs=True,
-             method="pillar", stride=4, min_budget=8, budget_ratio=0.1, max_batch=3)
-    assert min(windows) < 8 and all(width % 8 == 0 for width in gathered), (windows, gathered)
+    monkeypatch.setattr(ModelRunner, "_sparse_batch", noted)
+    generate(tiny_qwen3[0], prompts[:3], SamplingParams(max_new_tokens=24, ignore_eos=True), cuda_graphs=cuda_graphs,
+             method="pillar-lookup", lookup_matches=1, stride=4, min_budget=9, budget_ratio=0.1, max_batch=3)
+    assert any(wanted % 8 for wanted, _ in widths), widths                  # some steps want an unaligned width
+    assert all(width % 8 == 0 and wanted <= width < wanted + 8 for wanted, width in widths), widths
 
 
 def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypatch):
@@ -142,7 +142,7 @@ def test_a_static_step_refuses_lists_of_another_layout():
     """A bucket fixes every list of its steps and their lengths: lists that do not fit raise instead of being read
     at the wrong offsets (the table changes after them vary freely)."""
     from nano_sparsespec.device import Packed
-    graphs = StepGraphs(lambda shape, lists: lists["ids"] * 2, block_size=4, state=[])
+    graphs = StepGraphs(lambda shape, lists: lists["ids"] * 2, block_size=4, state=[], rows=8)
     first = Packed({"ids": [1, 2, 3], "rows": [[4, 5]], "table_changes": [[0, 1, 2]]})
     assert graphs.run("bucket", first, ["ids", "rows"]).tolist() == [2, 4, 6]
     changed = Packed({"ids": [7, 8, 9], "rows": [[1, 1]], "table_changes": [[0, 1, 2], [1, 2, 3]]})

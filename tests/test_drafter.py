@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import run
+from nano_sparsespec import pillar_attn
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.pillar_attn import lookup_positions, merge_lookup, select_pillar
 from nano_sparsespec.runner import ModelRunner
@@ -154,19 +155,46 @@ def test_lookup_changes_what_drafts_attend_to(tiny_qwen3, prompts):
     assert counts["pillar"] != counts["pillar-lookup"]
 
 
-def test_lookup_keeps_the_draft_cost(tiny_qwen3, prompts, plain_greedy, monkeypatch):
-    """A pillar-lookup draft gathers what a pillar draft gathers, its budget plus the window: no extra columns."""
-    checked = []
-    original = ModelRunner._sparse_batch
+@pytest.mark.parametrize("method", ["pillar", "pillar-lookup", "streaming"])
+def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy, monkeypatch, method):
+    """At every draft step, the columns a draft attends to in its row of the draft buffers hold the pool's K/V of
+    exactly its positions: its critical positions (for pillar-lookup `merge_lookup`'s, its lookups in the place of
+    the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
+    plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.)"""
+    checked, drafting, lookups = [], [], []
+    sparse_lists, sparse_batch = ModelRunner._sparse_lists, ModelRunner._sparse_batch
+    kept_beside_lookups = pillar_attn.kept_beside_lookups
 
-    def sparse_batch(self, shape, dev, input_ids):
-        batch = original(self, shape, dev, input_ids)
-        budget, window = dev["sparse_n_sel"].tolist(), dev["sparse_window"].tolist()
-        checked.append((batch.valid.shape[1], batch.valid.sum(1).tolist()) ==
-                       (max(budget) + max(window), [b + w for b, w in zip(budget, window)]))
+    def noted_lists(self, sparse):
+        drafting[:] = [w.seq for w, _ in sparse]
+        return sparse_lists(self, sparse)
+
+    def noted_kept(*args):
+        lookups[:] = args
+        return kept_beside_lookups(*args)
+
+    def checked_batch(self, shape, dev, input_ids):
+        batch = sparse_batch(self, shape, dev, input_ids)
+        rows, n_sel, window = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel", "sparse_window"))
+        critical = merge_lookup(*lookups) if method == "pillar-lookup" else self.selection[dev["sparse_row"]]
+        columns = torch.arange(batch.valid.shape[-1])
+        for b, (row, seq) in enumerate(zip(rows, drafting)):
+            own = n_sel[b] + self.lookups + window[b] - 1                        # the draft's own column
+            recent = list(range(seq.num_verified, seq.num_verified + window[b] - 1))
+            for layer, head in itertools.product(range(self.num_layers), range(self.n_kv)):
+                seen = batch.valid[layer, row, head]
+                positions = torch.tensor(critical[b, layer, head, :n_sel[b]].tolist() + recent)
+                slots = self.cache.slots_of(seq.seq_id, positions)
+                held = self.draft_k[layer, row, head, columns[seen & (columns != own)]]
+                wanted = self.cache.k[layer, slots, head]
+                projection = torch.randn(held.shape[-1], generator=torch.Generator().manual_seed(0))
+                checked.append(int(seen.sum()) == n_sel[b] + window[b] and bool(seen[own]) and torch.allclose(
+                    (held @ projection).sort().values, (wanted @ projection).sort().values))
         return batch
 
-    monkeypatch.setattr(ModelRunner, "_sparse_batch", sparse_batch)
-    _, outs = run(tiny_qwen3[0], prompts, method="pillar-lookup", stride=4, min_budget=16, budget_ratio=0.1)
+    monkeypatch.setattr(ModelRunner, "_sparse_lists", noted_lists)
+    monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
+    monkeypatch.setattr(pillar_attn, "kept_beside_lookups", noted_kept)
+    _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1)
     assert [o.token_ids for o in outs] == plain_greedy
     assert checked and all(checked)

@@ -160,15 +160,15 @@ def test_dense_attention_head_to_kv_group_mapping():
 # --------------------------------------------------------------------------------------------------------------------
 # Sparse attention
 
-def pool_rows(K, V, idx, valid, garbage_k=100.0, garbage_v=1e4):
-    """One layer's pool as rows per (slot, KV head) for contexts K, V [B, Lctx, n_kv, D], and the row index [B, n_kv, S]
-    of positions idx [B, n_kv, S]; padding entries (valid False) point at a last row of garbage that would dominate
-    if it were not masked."""
-    B, Lctx, n_kv, D = K.shape
-    k_rows = torch.cat([K.reshape(-1, D), torch.full((1, D), garbage_k)])
-    v_rows = torch.cat([V.reshape(-1, D), torch.full((1, D), garbage_v)])
-    index = (torch.arange(B)[:, None, None] * Lctx + idx) * n_kv + torch.arange(n_kv)[None, :, None]
-    return k_rows, v_rows, index.where(valid[:, None, :], len(k_rows) - 1)
+def buffer_rows(K, V, idx, valid, garbage_k=100.0, garbage_v=1e4):
+    """Draft buffers holding the K/V of positions idx [B, n_kv, S] of contexts K, V [B, Lctx, n_kv, D]: k, v
+    [B, n_kv, S, D] and valid [B, n_kv, S]; padding entries (valid [B, S] False) hold garbage that would dominate if
+    it were not masked."""
+    B, n_kv = K.shape[0], K.shape[2]
+    b, head = torch.arange(B)[:, None, None], torch.arange(n_kv)[None, :, None]
+    padding = ~valid[:, None, :, None]
+    k, v = K[b, idx, head].masked_fill(padding, garbage_k), V[b, idx, head].masked_fill(padding, garbage_v)
+    return k, v, valid[:, None, :].expand(-1, n_kv, -1)
 
 
 def test_sparse_attention_equals_masked_dense():
@@ -183,7 +183,7 @@ def test_sparse_attention_equals_masked_dense():
         for j in range(N_KV):                                # a different set per KV head
             idx[b, j] = torch.randperm(Lctx, generator=g)[:S]
     valid = torch.arange(S)[None] < torch.tensor(n_valid)[:, None]              # [B, S]
-    out = sparse_attention(q, *pool_rows(K, V, idx, valid), valid)
+    out = sparse_attention(q, *buffer_rows(K, V, idx, valid))
     assert out.shape == (B, H, D)
     for b in range(B):
         for h in range(H):
@@ -202,7 +202,7 @@ def test_sparse_attention_full_set_is_dense_attention():
     dense_out, _ = dense_attention(q_all, k, v, mask)
     every = torch.arange(9).expand(1, N_KV, 9)
     valid = torch.ones(1, 9, dtype=torch.bool)
-    out = sparse_attention(q_all[:, 0], *pool_rows(k, v, every, valid), valid)
+    out = sparse_attention(q_all[:, 0], *buffer_rows(k, v, every, valid))
     assert torch.allclose(out, dense_out[:, 0], atol=TOL)
 
 
@@ -234,7 +234,8 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     A: dense, 3 new tokens at positions 2..4 after 2 cached ones (prefill chunk / verification), with scores;
     C: dense, 1 new token at position 3 after 3 cached ones (plain decode);
     S: sparse draft token at position 6 of a context whose positions 0..5 are cached, attending to {0, 2, 6} on KV
-       head 0 and {1, 5, 6} on KV head 1;
+       head 0 and {1, 5, 6} on KV head 1: its row of the draft buffers holds the critical ones, {0, 2} and {1, 5},
+       and takes its own K/V in the next column;
     pad: the padding row, where C's padding queries read and write (its K/V go to a slot no request uses)."""
     g = torch.Generator().manual_seed(6)
     Lyr, slots, layer = 2, 40, 1
@@ -269,14 +270,22 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0]])
     dense = DenseBatch(q_index, q_valid, block_table, q_pos[:, 0], runs=((0, 2, mask, False),),
                        score_weight=weight, scores=torch.full((Lyr, 2, N_KV, 6), -1.0))
-    # sparse batch: one draft, S = 4 entries with the last one padding
+    # sparse batch: one draft in row 1 of the draft buffers (rows 0..2 read), 4 columns: 2 critical positions, its
+    # own, and garbage (masked)
     sel = {0: [0, 2, 6], 1: [1, 5, 6]}
-    kv_index = torch.zeros(Lyr, 1, N_KV, 4, dtype=torch.long)
+    columns = 8
+    draft_k = torch.randn(Lyr, 3, N_KV, columns, D, generator=g) * 100
+    draft_v = torch.randn(Lyr, 3, N_KV, columns, D, generator=g) * 100
     for j, positions in sel.items():
-        kv_index[layer, 0, j, :3] = slots_S[positions] * N_KV + j
-        kv_index[layer, 0, j, 3] = 7 * N_KV + j              # padding: some other valid slot
-    sparse = SparseBatch(torch.tensor([row_S]), kv_index, torch.tensor([[True, True, True, False]]))
-    ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, dense=dense, sparse=sparse)
+        draft_k[layer, 1, j, :2] = k_cache[layer, slots_S[positions[:2]], j]
+        draft_v[layer, 1, j, :2] = v_cache[layer, slots_S[positions[:2]], j]
+    buffers_before = (draft_k.clone(), draft_v.clone())
+    valid = torch.zeros(Lyr, 3, N_KV, 4, dtype=torch.bool)
+    valid[..., 0] = True
+    valid[:, 1, :, :3] = True
+    write_index = (1 * N_KV + torch.arange(N_KV))[None] * columns + 2                    # [1, n_kv]: column 2
+    sparse = SparseBatch(torch.tensor([row_S]), torch.tensor([1]), write_index, valid)
+    ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, draft_k, draft_v, dense=dense, sparse=sparse)
     if paged:
         pa.use_paged_reference()
     pa.prepare(ctx, G)
@@ -315,7 +324,13 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     assert torch.allclose(dense.scores[layer, 1].double(), score_ref_C, atol=TOL)
     assert (dense.scores[0] == -1).all()
 
-    # sparse row: the draft attends to its own gathered positions, including its own freshly written K/V
+    # the draft's own K/V join its row of the draft buffers, in this layer only
+    written = torch.zeros(Lyr, 3, N_KV, columns, dtype=torch.bool)
+    written[layer, 1, :, 2] = True
+    assert torch.equal(draft_k[written], k[row_S]) and torch.equal(draft_v[written], v[row_S])
+    assert torch.equal(draft_k[~written], buffers_before[0][~written])
+    assert torch.equal(draft_v[~written], buffers_before[1][~written])
+    # sparse row: the draft attends to its critical positions and its own freshly written K/V
     KS, VS = k_cache[layer, slots_S], v_cache[layer, slots_S]
     for h in range(H):
         j = h // G
@@ -606,7 +621,7 @@ def test_compiled_kernels_match_eager():
     g = torch.Generator().manual_seed(9)
     sq, sK, sV = torch.randn(3, H, D, generator=g), torch.randn(3, 8, N_KV, D, generator=g), torch.randn(3, 8, N_KV, D, generator=g)
     svalid = torch.arange(6)[None] < torch.tensor([6, 4, 2])[:, None]
-    sparse_args = (sq, *pool_rows(sK, sV, torch.randint(0, 8, (3, N_KV, 6), generator=g), svalid), svalid)
+    sparse_args = (sq, *buffer_rows(sK, sV, torch.randint(0, 8, (3, N_KV, 6), generator=g), svalid))
     _, eager_scores = dense_attention(q, k, v, mask, weight)
     eager_sparse = sparse_attention(*sparse_args)
     # the K/V write into one layer of a pool of 4: q | k | v side by side as the model's projection lays them out
