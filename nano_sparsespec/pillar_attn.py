@@ -81,7 +81,9 @@ class SparseBatch:
     write_index: torch.Tensor    # [Bs, n_kv]        where its own K/V go, rows of one layer's draft buffer viewed
                                  #                   [(rows + 1) * n_kv * C, D] (a padding draft: the scratch row's)
     valid: torch.Tensor          # [L, R + 1, n_kv, N] bool  the buffer columns each row attends to (rows no draft
-                                 #                   reads: column 0 alone, a finite softmax; their output is dropped)
+                                 #                   reads: column 0 alone, a finite softmax; their output is dropped.
+                                 #                   The matmuls read all N columns of rows 0..R: in a balanced step
+                                 #                   ~1 row in k + 1 verifies and is read for nothing)
 
 
 @dataclass
