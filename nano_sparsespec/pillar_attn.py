@@ -214,24 +214,26 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, 
 def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: torch.Tensor, draft_v: torch.Tensor,
                        columns_per_row: int, block_table: torch.Tensor, block_size: int, positions: torch.Tensor,
                        rows: torch.Tensor, columns: torch.Tensor) -> None:
-    """Copy the pool's K/V of positions into rows of the draft buffers, every layer and KV head at once (one gather
-    and one scatter per pool).
+    """Copy the pool's K/V of positions into rows of the draft buffers, every layer and KV head at once (one read and
+    one write of rows per pool).
 
     k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: the draft buffers [L, rows + 1, n_kv, C, D] viewed
     [L, (rows + 1) * n_kv * C, D] (C = columns_per_row); block_table: [B, blocks] of the requests in `rows` [B];
     positions: [B, L, n_kv, n] per layer and KV head; columns: [B, n] where they go in each (layer, KV head) of the
-    row. Not compiled: on the H200 a compiled version that took the buffers whole (and viewed them inside) made the
+    row. Rows of D by indexing, not `gather` / `scatter_` over index tensors expanded to D: on the CPU in bfloat16
+    each `scatter_` into the buffer took ~5 ms (a copy the size of the buffer, by the profiler), and pillar-lookup,
+    which copies its lookups at every draft step, ran 25% fewer tokens per second. Not compiled: on the H200 a compiled version that took the buffers whole (and viewed them inside) made the
     engine's steps ~1.9 ms slower on the embedded model (benchmarks/h200/session21/raw/engine_split_head_call5.txt),
     as writes through a view of an input copy the whole input out and back (`store_kv`)."""
     L, _, n_kv, D = k_cache.shape
     slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) * block_size \
         + positions % block_size                                                        # [B, L, n_kv, n]
     heads = torch.arange(n_kv, device=positions.device)[:, None]                        # [n_kv, 1]
-    source = (slots * n_kv + heads).transpose(0, 1).reshape(L, -1, 1)                  # rows of [slots * n_kv, D]
-    target = (rows[:, None, None] * n_kv + heads) * columns_per_row + columns[:, None, :]   # [B, n_kv, n]
-    target = target[None].expand(L, -1, -1, -1).reshape(L, -1, 1)                      # rows of draft_k
+    source = (slots * n_kv + heads).transpose(0, 1).reshape(L, -1)                     # rows of [slots * n_kv, D]
+    target = ((rows[:, None, None] * n_kv + heads) * columns_per_row + columns[:, None, :]).view(1, -1)  # of draft_k
+    layers = torch.arange(L, device=positions.device)[:, None]                           # [L, 1]
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
-        buffer.scatter_(1, target.expand(-1, -1, D), cache.view(L, -1, D).gather(1, source.expand(-1, -1, D)))
+        buffer[layers, target] = cache.view(L, -1, D)[layers, source]                  # rows of D, [L, B*n_kv*n]
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
