@@ -212,28 +212,33 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, 
 
 
 def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: torch.Tensor, draft_v: torch.Tensor,
-                       columns_per_row: int, block_table: torch.Tensor, block_size: int, positions: torch.Tensor,
-                       rows: torch.Tensor, columns: torch.Tensor) -> None:
+                       block_table: torch.Tensor, block_size: int, positions: torch.Tensor, rows: torch.Tensor,
+                       columns: torch.Tensor) -> None:
     """Copy the pool's K/V of positions into rows of the draft buffers, every layer and KV head at once (one read and
     one write of rows per pool).
 
-    k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: the draft buffers [L, rows + 1, n_kv, C, D] viewed
-    [L, (rows + 1) * n_kv * C, D] (C = columns_per_row); block_table: [B, blocks] of the requests in `rows` [B];
-    positions: [B, L, n_kv, n] per layer and KV head; columns: [B, n] where they go in each (layer, KV head) of the
-    row. Rows of D by indexing, not `gather` / `scatter_` over index tensors expanded to D: on the CPU in bfloat16
-    each `scatter_` into the buffer took ~5 ms (a copy the size of the buffer, by the profiler), and pillar-lookup,
-    which copies its lookups at every draft step, ran 25% fewer tokens per second. Not compiled: on the H200 a compiled version that took the buffers whole (and viewed them inside) made the
-    engine's steps ~1.9 ms slower on the embedded model (benchmarks/h200/session21/raw/engine_split_head_call5.txt),
-    as writes through a view of an input copy the whole input out and back (`store_kv`)."""
-    L, _, n_kv, D = k_cache.shape
+    k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: the draft buffers [L, rows + 1, n_kv, C, D];
+    block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer and KV head;
+    columns: [B, n] where they go in each (layer, KV head) of the row.
+    Rows of D through one flat index each way (`index_select`, `index_copy_`): on the CPU in bfloat16, indexing by
+    (layer, row) index pairs took 10x longer (a selection of 11,520 rows: 0.59 ms against 0.06 to read them), and
+    `scatter_` over indexes expanded to D copied the whole buffer at every call (benchmarks/cpu/session22_fill.txt);
+    pillar-lookup copies its lookups at every draft step. Not compiled: on the H200 a compiled version that took the
+    buffers whole (and viewed them inside) made the engine's steps ~1.9 ms slower on the embedded model
+    (benchmarks/h200/session21/raw/engine_split_head_call5.txt), as writes through a view of an input copy the whole
+    input out and back (`store_kv`)."""
+    L, pool_slots, n_kv, D = k_cache.shape
+    C = draft_k.shape[-2]
     slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) * block_size \
         + positions % block_size                                                        # [B, L, n_kv, n]
     heads = torch.arange(n_kv, device=positions.device)[:, None]                        # [n_kv, 1]
-    source = (slots * n_kv + heads).transpose(0, 1).reshape(L, -1)                     # rows of [slots * n_kv, D]
-    target = ((rows[:, None, None] * n_kv + heads) * columns_per_row + columns[:, None, :]).view(1, -1)  # of draft_k
     layers = torch.arange(L, device=positions.device)[:, None]                           # [L, 1]
+    # rows of the caches viewed [L * slots * n_kv, D] and of the buffers viewed [L * (rows + 1) * n_kv * C, D]
+    source = layers * pool_slots * n_kv + (slots * n_kv + heads).transpose(0, 1).reshape(L, -1)   # [L, B*n_kv*n]
+    target = layers * draft_k[0].numel() // D \
+        + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)            # [L, B*n_kv*n]
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
-        buffer[layers, target] = cache.view(L, -1, D)[layers, source]                  # rows of D, [L, B*n_kv*n]
+        buffer.view(-1, D).index_copy_(0, target.flatten(), cache.view(-1, D).index_select(0, source.flatten()))
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -334,10 +339,15 @@ def sparse_attention(q, k, v, valid):
     q: [R, n_heads, D] a query per row; k, v: [R, n_kv, N, D] one layer's draft buffers, their first N columns;
     valid: [R, n_kv, N] bool the columns each (row, KV head) attends to -> [R, n_heads, D]
     The G query heads of a KV head read its keys in one matmul (batched over rows x KV heads: each (row, KV head)'s
-    columns are contiguous, so no copy is made).
+    columns are contiguous, so no copy is made; but see the CPU's below).
     """
     R, H, D = q.shape
     n_kv = k.shape[1]
+    if k.device.type == "cpu":
+        # The CPU's batched matmul of q @ k^T over matrices that lie apart (N of a row's C columns) takes a path 4x
+        # slower than over a packed copy; the copy costs less than the difference (a layer of the embedded model at
+        # batch 8: 203 -> 122 us; benchmarks/cpu/session22_strided_matmul.txt). The GPU's does not care.
+        k = k.contiguous()
     q = q.view(R, n_kv, H // n_kv, D)                                                  # [R, n_kv, G, D]
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [R, n_kv, G, N]
     probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1)

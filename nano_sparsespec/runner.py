@@ -257,10 +257,8 @@ class ModelRunner:
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                             columns: torch.Tensor) -> None:
         """`pillar_attn.fill_draft_buffers` into this runner's draft buffers."""
-        L, C, D = self.num_layers, self.draft_k.shape[-2], self.draft_k.shape[-1]
-        pillar_attn.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k.view(L, -1, D),
-                                       self.draft_v.view(L, -1, D), C, block_table, self.cache.block_size, positions,
-                                       rows, columns)
+        pillar_attn.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k, self.draft_v, block_table,
+                                       self.cache.block_size, positions, rows, columns)
 
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
     def set_context_tokens(self, seq: Sequence) -> None:
