@@ -22,7 +22,7 @@ Owns
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the K/V write, the PillarAttn score pass and the
-    sparse draft kernel (same math, float tolerance); dense attention runs over gathered K/V (torch's fused SDPA, or
+    drafts' sparse branch (`sparse_drafts`; same math, float tolerance); dense attention runs over gathered K/V (torch's fused SDPA, or
     the explicit probabilities when the scores are wanted), or,
     with `compile_kernels(paged=True)` (the GPU), `paged_dense`: compiled flex_attention reading the pool in place
     through a block mask that `prepare` builds once per step, long contexts cut into chunks (`PAGED_CHUNK`).
@@ -78,8 +78,8 @@ class SparseBatch:
     q_index: torch.Tensor        # [Bs]              row of each draft token in the step's flat token list
     read_row: torch.Tensor       # [Bs]              its row in `valid` and in the draft buffers (a padding draft: R,
                                  #                   a row no draft of the step reads)
-    write_index: torch.Tensor    # [Bs, n_kv]        where its own K/V go, rows of one layer's draft buffer viewed
-                                 #                   [(rows + 1) * n_kv * C, D] (a padding draft: the scratch row's)
+    write_row: torch.Tensor      # [Bs]              where its own K/V go: its row of the draft buffers (a padding
+    write_column: torch.Tensor   # [Bs]              draft: the scratch row) and the column there, every KV head's
     valid: torch.Tensor          # [L, R + 1, n_kv, N] bool  the buffer columns each row attends to (rows no draft
                                  #                   reads: column 0 alone, a finite softmax; their output is dropped.
                                  #                   The matmuls read all N columns of rows 0..R: in a balanced step
@@ -144,16 +144,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
                 d.score_queries[layer] = q[d.q_index]                                  # [Bd, Qmax, n_heads, D]
     if ctx.sparse is not None:
         s = ctx.sparse
-        _, rows_read, n_kv, N = s.valid.shape
-        D = q.shape[-1]
-        keys, values = ctx.draft_k[layer], ctx.draft_v[layer]                          # [rows + 1, n_kv, C, D]
-        # the drafts' own K/V join their rows' buffers (one row of D per KV head)
-        _kernels["store"](keys.view(-1, 1, D), values.view(-1, 1, D), s.write_index.flatten(),
-                          k[s.q_index].view(-1, 1, D), v[s.q_index].view(-1, 1, D))
-        queries = q.new_zeros(rows_read, *q.shape[1:])                                 # [R + 1, n_heads, D]
-        queries[s.read_row] = q[s.q_index]
-        rows_out = _kernels["sparse"](queries, keys[:rows_read, :, :N], values[:rows_read, :, :N], s.valid[layer])
-        out[s.q_index] = rows_out[s.read_row]
+        _kernels["sparse"](out, q, k, v, ctx.draft_k[layer], ctx.draft_v[layer], s.q_index, s.read_row, s.write_row,
+                           s.write_column, s.valid[layer])
     return out
 
 
@@ -333,6 +325,24 @@ def attention_logits(q, k, mask):
     return logits.masked_fill(~mask[:, None, None], float("-inf"))
 
 
+def sparse_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_column, valid) -> None:
+    """One layer's draft tokens: their K/V join their rows of the draft buffers, then each attends to its row.
+
+    out: [T, n_heads, D] the layer's attention output, the drafts' rows written here; q: [T, n_heads, D]; k, v:
+    [T, n_kv, D] the step's; keys, values: the layer's draft buffers [rows + 1, n_kv, C, D]; q_index, read_row,
+    write_row, write_column: [Bs] (`SparseBatch`); valid: [R + 1, n_kv, N] the layer's.
+    One function, so that `compile_kernels` makes the drafts' moves (the write, the queries to their rows and the
+    outputs back) a few kernels with the attention's instead of ~8 small ones per layer. (The buffers are passed in
+    whole and written by index, not through a view taken here: see `store_kv`.)"""
+    heads = torch.arange(keys.shape[1], device=q.device)                               # [n_kv]
+    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]                # [Bs, n_kv, D]
+    values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
+    rows_read, _, N = valid.shape
+    queries = q.new_zeros(rows_read, *q.shape[1:])                                     # [R + 1, n_heads, D]
+    queries[read_row] = q[q_index]
+    out[q_index] = sparse_attention(queries, keys[:rows_read, :, :N], values[:rows_read, :, :N], valid)[read_row]
+
+
 def sparse_attention(q, k, v, valid):
     """Each draft attends to its row of the draft buffers, where the K/V lie (no gather).
 
@@ -355,7 +365,7 @@ def sparse_attention(q, k, v, valid):
 
 
 # The kernels `attend` calls; "paged" is None unless the paged path is on (see `prepare`).
-_kernels = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_attention, "paged": None}
+_kernels = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_drafts, "paged": None}
 
 
 def compile_kernels(paged: bool = False) -> None:
@@ -375,7 +385,7 @@ def compile_kernels(paged: bool = False) -> None:
     sixteenth session)."""
     _kernels["store"] = torch.compile(store_kv, dynamic=True)
     _kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    _kernels["sparse"] = torch.compile(sparse_attention, dynamic=True)
+    _kernels["sparse"] = torch.compile(sparse_drafts, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _kernels["paged"] = _compiled_paged_dense()
@@ -396,7 +406,7 @@ def _compiled_paged_dense():
 
 
 def use_eager_kernels() -> None:
-    _kernels.update(store=store_kv, scores=pillar_scores, sparse=sparse_attention, paged=None)
+    _kernels.update(store=store_kv, scores=pillar_scores, sparse=sparse_drafts, paged=None)
 
 
 def use_paged_reference() -> None:

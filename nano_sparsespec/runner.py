@@ -597,9 +597,7 @@ class ModelRunner:
         valid = torch.zeros(L, R + 1, n_kv, N, dtype=torch.bool, device=self.device)
         valid[..., 0] = True                                           # rows no draft reads: column 0, finite
         valid[:, read_row] = seen.transpose(0, 1)
-        heads = torch.arange(n_kv, device=self.device)
-        write_index = (rows[:, None] * n_kv + heads) * self.draft_k.shape[-2] + first_window + window[:, None] - 1
-        return SparseBatch(dev["sparse_first_row"], read_row, write_index, valid)
+        return SparseBatch(dev["sparse_first_row"], read_row, rows, first_window[:, 0] + window - 1, valid)
 
     def _lookups(self, shape: StepShape, dev: dict[str, torch.Tensor], tokens: torch.Tensor):
         """pillar-lookup: the positions each draft's input token `tokens` [Bs] finds in its verified context."""

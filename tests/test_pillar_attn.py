@@ -283,8 +283,7 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     valid = torch.zeros(Lyr, 3, N_KV, 4, dtype=torch.bool)
     valid[..., 0] = True
     valid[:, 1, :, :3] = True
-    write_index = (1 * N_KV + torch.arange(N_KV))[None] * columns + 2                    # [1, n_kv]: column 2
-    sparse = SparseBatch(torch.tensor([row_S]), torch.tensor([1]), write_index, valid)
+    sparse = SparseBatch(torch.tensor([row_S]), torch.tensor([1]), torch.tensor([1]), torch.tensor([2]), valid)
     ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, draft_k, draft_v, dense=dense, sparse=sparse)
     if paged:
         pa.use_paged_reference()
@@ -619,11 +618,21 @@ def test_compiled_kernels_match_eager():
     q, k, v, mask, q_valid = make_padded_batch(q_lens, ctx_lens, seed=8)
     weight = q_valid.float() / q_valid.sum(1, keepdim=True)
     g = torch.Generator().manual_seed(9)
-    sq, sK, sV = torch.randn(3, H, D, generator=g), torch.randn(3, 8, N_KV, D, generator=g), torch.randn(3, 8, N_KV, D, generator=g)
-    svalid = torch.arange(6)[None] < torch.tensor([6, 4, 2])[:, None]
-    sparse_args = (sq, *buffer_rows(sK, sV, torch.randint(0, 8, (3, N_KV, 6), generator=g), svalid))
+    # the drafts' branch: three drafts of a 4-token step in rows 2 and 0 and a padding one (reads row R = 3, writes
+    # the scratch row 4), over 6 of the buffers' 8 columns
+    sq, sk, sv = torch.randn(4, H, D, generator=g), torch.randn(4, N_KV, D, generator=g), torch.randn(4, N_KV, D, generator=g)
+    buffers = torch.randn(2, 5, N_KV, 8, D, generator=g)
+    svalid = torch.rand(4, N_KV, 6, generator=g) < 0.7
+    svalid[..., 0] = True
+    draft_lists = (torch.tensor([1, 3, 0]), torch.tensor([2, 0, 3]), torch.tensor([2, 0, 4]), torch.tensor([5, 3, 0]))
+
+    def sparse_branch(kernel):
+        """-> the step's output rows and the buffers after one call of `kernel` on copies of the inputs"""
+        out, keys, values = torch.zeros(4, H, D), *buffers.clone()
+        kernel(out, sq, sk, sv, keys, values, *draft_lists, svalid)
+        return out, keys, values
     _, eager_scores = dense_attention(q, k, v, mask, weight)
-    eager_sparse = sparse_attention(*sparse_args)
+    eager_sparse = sparse_branch(pa.sparse_drafts)
     # the K/V write into one layer of a pool of 4: q | k | v side by side as the model's projection lays them out
     pool_k, pool_v = torch.zeros(2, 4, 16, N_KV, D).unbind(0)
     qkv, slots = torch.randn(5, H + 2 * N_KV, D, generator=g), torch.tensor([3, 9, 0, 15, 7])
@@ -632,19 +641,21 @@ def test_compiled_kernels_match_eager():
     pa.compile_kernels()
     try:
         assert all(pa._kernels[name] is not eager for name, eager in
-                   [("store", pa.store_kv), ("scores", pillar_scores), ("sparse", sparse_attention)])
+                   [("store", pa.store_kv), ("scores", pillar_scores), ("sparse", pa.sparse_drafts)])
         scores = pa._kernels["scores"](q, k, mask, weight)         # the compiled score pass
-        sparse_out = pa._kernels["sparse"](*sparse_args)
+        sparse_out = sparse_branch(pa._kernels["sparse"])
         pa._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
     finally:
         pa.use_eager_kernels()
     assert torch.allclose(scores, eager_scores, atol=1e-4)
-    assert torch.allclose(sparse_out, eager_sparse, atol=1e-4)
+    assert torch.allclose(sparse_out[0], eager_sparse[0], atol=1e-4)
+    assert torch.equal(sparse_out[1], eager_sparse[1]) and torch.equal(sparse_out[2], eager_sparse[2])
+    assert not torch.equal(eager_sparse[1], buffers[0]) and eager_sparse[0][[1, 3, 0]].abs().sum(-1).gt(0).all()
     written = torch.zeros(4, 16, dtype=torch.bool)
     written[2, slots] = True
     assert torch.equal(pool_k[2, slots], k_new) and torch.equal(pool_v[2, slots], v_new)
     assert not pool_k[~written].any() and not pool_v[~written].any()          # no other slot or layer touched
-    assert pa._kernels["scores"] is pillar_scores and pa._kernels["sparse"] is sparse_attention
+    assert pa._kernels["scores"] is pillar_scores and pa._kernels["sparse"] is pa.sparse_drafts
     assert pa._kernels["store"] is pa.store_kv
 
 
