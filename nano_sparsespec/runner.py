@@ -7,9 +7,9 @@ Owns
     `slot_mapping [T]`) and the `AttentionContext` (which requests attend densely, which draft tokens attend
     sparsely and to which slots) from those lists;
   * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling; for plain
-    decoding that runs ahead, column 0 holds the token of the step in flight), the critical positions each
-    request's drafts attend to and the draft buffers that hold their K/V (copied once per selection: a draft step
-    reads them in place, `pillar_attn.SparseBatch`), each request's sampling parameters (sent once per request), and
+    decoding that runs ahead, column 0 holds the token of the step in flight), the draft buffers that hold the K/V
+    of the critical positions each request's drafts attend to (copied once per selection: a draft step reads them in
+    place, `pillar_attn.SparseBatch`; pillar-lookup keeps the positions too), each request's sampling parameters (sent once per request), and
     a mirror of each request's block table (updated with only the entries that changed, so a step does not rebuild
     [B, blocks] tables from Python lists);
   * after the forward, as its `Readout` says: sampling draft tokens (`verifier.sample_drafts`), and verification
@@ -179,20 +179,22 @@ class ModelRunner:
         lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
         self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)                # [rows + 1, capacity]
         self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
-        # the critical positions each row's drafts attend to, in rank order; the first selection_len[row] are real.
-        # With CUDA graphs it (and the draft buffers, sized from it) is wide enough at once for the budget of the
-        # longest context: the first graphs are recorded before any selection is made (a prefill step's), and
-        # widening drops them.
-        width = 0
+        # The columns a selection may take (the number of critical positions of each row's latest selection is
+        # selection_len[row]). With CUDA graphs, the room for the budget of the longest context at once: the first
+        # graphs are recorded before any selection is made (a prefill step's), and widening the buffers sized from it
+        # drops them.
+        self.selection_room = 0
         if cuda_graphs and spec.method in ("pillar", "pillar-lookup", "streaming"):
-            width = round_up(spec.budget(cfg.max_position_embeddings), self.graphs.width_step)
-        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)  # [rows + 1, L, n_kv, N]
+            self.selection_room = round_up(spec.budget(cfg.max_position_embeddings), self.graphs.width_step)
         self.selection_len = [0] * rows
+        # pillar-lookup: the critical positions each row's drafts attend to, in rank order, which its draft steps'
+        # lookups displace from the last (`kept_beside_lookups`); the other methods' drafts need only their copies
+        self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
+        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, self.selection_room if self.lookups else 0,
+                                     **long)                                              # [rows + 1, L, n_kv, N]
         # The draft buffers: per row, the K/V of its critical positions (copied once per selection), then, for
         # pillar-lookup, those of its draft's lookups (rewritten at each draft step), then those its drafts write
-        # (`SparseBatch`): as wide as the selection buffer, plus `lookups` + k columns. Made by the first selection
-        # or draft step.
-        self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
+        # (`SparseBatch`): `selection_room` + `lookups` + k columns. Made by the first selection or draft step.
         self.draft_k: torch.Tensor | None = None                                       # [L, rows + 1, n_kv, C, D]
         self.draft_v: torch.Tensor | None = None
         # each row's sampling parameters, sent once when a request takes the row
@@ -240,14 +242,16 @@ class ModelRunner:
         # rounds it up), so that growing budgets do not widen it again, each time dropping the recorded graphs.
         longest = max(min(self.model.config.max_position_embeddings, s.final_length) for s in seqs)
         columns = max(n, self.spec.budget(longest))
-        self.selection = self._widen(self.selection, columns if self.graphs is None else
-                                     round_up(columns, self.graphs.width_step))
+        self.selection_room = max(self.selection_room, columns if self.graphs is None else
+                                  round_up(columns, self.graphs.width_step))
         padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) if p.shape[-1] < n else p for p in positions])
         rows = self._dev([s.row for s in seqs])
-        self.selection[rows, :, :, :n] = padded                                         # [B, L, n_kv, n]
+        if self.lookups:
+            self.selection = self._widen(self.selection, self.selection_room)
+            self.selection[rows, :, :, :n] = padded                                     # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
-        self._widen_draft_buffers(self.selection.shape[-1])
+        self._widen_draft_buffers(self.selection_room)
         # (from the host's block tables: the device mirror is brought up to date only by the next step)
         tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
         width = max(len(t) for t in tables)
@@ -520,7 +524,7 @@ class ModelRunner:
                                   max([shape.dense_blocks] + [column + 1 for _, column, _ in changes]))
         self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
         if plan.sparse:
-            self._widen_draft_buffers(self.selection.shape[-1])
+            self._widen_draft_buffers(self.selection_room)
         if static:
             packed, scores = self.graphs.run(shape, upload, names)    # valid until the next replay
         else:

@@ -161,9 +161,13 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     exactly its positions: its critical positions (for pillar-lookup `merge_lookup`'s, its lookups in the place of
     the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
     plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.)"""
-    checked, drafting, lookups = [], [], []
+    checked, drafting, lookups, selections = [], [], [], {}
     sparse_lists, sparse_batch = ModelRunner._sparse_lists, ModelRunner._sparse_batch
-    kept_beside_lookups = pillar_attn.kept_beside_lookups
+    set_selections, kept_beside_lookups = ModelRunner.set_selections, pillar_attn.kept_beside_lookups
+
+    def noted_selections(self, seqs, positions):
+        selections.update({seq.row: p for seq, p in zip(seqs, positions)})          # row -> [L, n_kv, n]
+        return set_selections(self, seqs, positions)
 
     def noted_lists(self, sparse):
         drafting[:] = [w.seq for w, _ in sparse]
@@ -176,14 +180,14 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     def checked_batch(self, shape, dev, input_ids):
         batch = sparse_batch(self, shape, dev, input_ids)
         rows, n_sel, window = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel", "sparse_window"))
-        critical = merge_lookup(*lookups) if method == "pillar-lookup" else self.selection[dev["sparse_row"]]
+        critical = merge_lookup(*lookups) if method == "pillar-lookup" else [selections[row] for row in rows]
         columns = torch.arange(batch.valid.shape[-1])
         for b, (row, seq) in enumerate(zip(rows, drafting)):
             own = n_sel[b] + self.lookups + window[b] - 1                        # the draft's own column
             recent = list(range(seq.num_verified, seq.num_verified + window[b] - 1))
             for layer, head in itertools.product(range(self.num_layers), range(self.n_kv)):
                 seen = batch.valid[layer, row, head]
-                positions = torch.tensor(critical[b, layer, head, :n_sel[b]].tolist() + recent)
+                positions = torch.tensor(critical[b][layer, head, :n_sel[b]].tolist() + recent)
                 slots = self.cache.slots_of(seq.seq_id, positions)
                 held = self.draft_k[layer, row, head, columns[seen & (columns != own)]]
                 wanted = self.cache.k[layer, slots, head]
@@ -192,6 +196,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
                     (held @ projection).sort().values, (wanted @ projection).sort().values))
         return batch
 
+    monkeypatch.setattr(ModelRunner, "set_selections", noted_selections)
     monkeypatch.setattr(ModelRunner, "_sparse_lists", noted_lists)
     monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
     monkeypatch.setattr(pillar_attn, "kept_beside_lookups", noted_kept)
