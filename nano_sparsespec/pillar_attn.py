@@ -22,9 +22,9 @@ Owns
   * token lookup for `pillar-lookup` drafts: `lookup_positions` (earlier occurrences of a draft's input token and the
     positions right after them) and `merge_lookup` (they replace the lowest-ranked critical positions, same budget).
   * `compile_kernels()`: the optional torch.compile'd variant of the K/V write, the PillarAttn score pass and the
-    drafts' sparse branch (`sparse_drafts`; same math, float tolerance); dense attention runs over gathered K/V (torch's fused SDPA, or
-    the explicit probabilities when the scores are wanted), or,
-    with `compile_kernels(paged=True)` (the GPU), `paged_dense`: compiled flex_attention reading the pool in place
+    drafts' sparse branch (`sparse_drafts`; same math, float tolerance); dense attention runs over gathered K/V
+    (torch's fused SDPA, or the explicit probabilities when the scores are wanted), or, with
+    `compile_kernels(paged=True)` (the GPU), `paged_dense`: compiled flex_attention reading the pool in place
     through a block mask that `prepare` builds once per step, long contexts cut into chunks (`PAGED_CHUNK`).
 
 Must not know about scheduling or sampling; the engine builds the `AttentionContext` each step.
@@ -213,12 +213,12 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
     block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer and KV head;
     columns: [B, n] where they go in each (layer, KV head) of the row.
     Rows of D through one flat index each way (`index_select`, `index_copy_`): on the CPU in bfloat16, indexing by
-    (layer, row) index pairs took 10x longer (a selection of 11,520 rows: 0.59 ms against 0.06 to read them), and
-    `scatter_` over indexes expanded to D copied the whole buffer at every call (benchmarks/cpu/session22_fill.txt);
-    pillar-lookup copies its lookups at every draft step. Not compiled: on the H200 a compiled version that took the
-    buffers whole (and viewed them inside) made the engine's steps ~1.9 ms slower on the embedded model
-    (benchmarks/h200/session21/raw/engine_split_head_call5.txt), as writes through a view of an input copy the whole
-    input out and back (`store_kv`)."""
+    (layer, row) index pairs took 3-6x longer (a draft step's lookups, 11,520 rows: 5.6 ms against 0.9;
+    benchmarks/cpu/session22_fill.txt), and `scatter_` over indexes expanded to D copied the whole buffer at every
+    call (twenty-first session); pillar-lookup copies its lookups at every draft step. Not compiled: on the H200 a
+    compiled version that took the buffers whole (and viewed them inside) made the engine's steps ~1.9 ms slower on
+    the embedded model (benchmarks/h200/session21/raw/engine_split_head_call5.txt), as writes through a view of an
+    input copy the whole input out and back (`store_kv`)."""
     L, pool_slots, n_kv, D = k_cache.shape
     C = draft_k.shape[-2]
     slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) * block_size \
@@ -227,7 +227,7 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
     layers = torch.arange(L, device=positions.device)[:, None]                           # [L, 1]
     # rows of the caches viewed [L * slots * n_kv, D] and of the buffers viewed [L * (rows + 1) * n_kv * C, D]
     source = layers * pool_slots * n_kv + (slots * n_kv + heads).transpose(0, 1).reshape(L, -1)   # [L, B*n_kv*n]
-    target = layers * draft_k[0].numel() // D \
+    target = layers * (draft_k[0].numel() // D) \
         + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)            # [L, B*n_kv*n]
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
         buffer.view(-1, D).index_copy_(0, target.flatten(), cache.view(-1, D).index_select(0, source.flatten()))
@@ -356,7 +356,7 @@ def sparse_attention(q, k, v, valid):
     if k.device.type == "cpu":
         # The CPU's batched matmul of q @ k^T over matrices that lie apart (N of a row's C columns) takes a path 4x
         # slower than over a packed copy; the copy costs less than the difference (a layer of the embedded model at
-        # batch 8: 203 -> 122 us; benchmarks/cpu/session22_strided_matmul.txt). The GPU's does not care.
+        # batch 8: 192 -> 122 us; benchmarks/cpu/session22_strided_matmul.txt). The GPU's does not care.
         k = k.contiguous()
     q = q.view(R, n_kv, H // n_kv, D)                                                  # [R, n_kv, G, D]
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [R, n_kv, G, N]

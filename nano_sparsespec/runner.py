@@ -9,9 +9,9 @@ Owns
   * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling; for plain
     decoding that runs ahead, column 0 holds the token of the step in flight), the draft buffers that hold the K/V
     of the critical positions each request's drafts attend to (copied once per selection: a draft step reads them in
-    place, `pillar_attn.SparseBatch`; pillar-lookup keeps the positions too), each request's sampling parameters (sent once per request), and
-    a mirror of each request's block table (updated with only the entries that changed, so a step does not rebuild
-    [B, blocks] tables from Python lists);
+    place, `pillar_attn.SparseBatch`; pillar-lookup keeps the positions too), each request's sampling parameters
+    (sent once per request), and a mirror of each request's block table (updated with only the entries that
+    changed, so a step does not rebuild [B, blocks] tables from Python lists);
   * after the forward, as its `Readout` says: sampling draft tokens (`verifier.sample_drafts`), and verification
     (`verifier.verify_logits`) for verifying requests and for a request's last prefill chunk (a verification with no
     drafts). `_compute` (the step's tensors from its lists, forward, readout) is the whole device step: a padded

@@ -620,7 +620,8 @@ def test_compiled_kernels_match_eager():
     g = torch.Generator().manual_seed(9)
     # the drafts' branch: three drafts of a 4-token step in rows 2 and 0 and a padding one (reads row R = 3, writes
     # the scratch row 4), over 6 of the buffers' 8 columns
-    sq, sk, sv = torch.randn(4, H, D, generator=g), torch.randn(4, N_KV, D, generator=g), torch.randn(4, N_KV, D, generator=g)
+    sq = torch.randn(4, H, D, generator=g)
+    sk, sv = torch.randn(2, 4, N_KV, D, generator=g).unbind(0)
     buffers = torch.randn(2, 5, N_KV, 8, D, generator=g)
     svalid = torch.rand(4, N_KV, 6, generator=g) < 0.7
     svalid[..., 0] = True
