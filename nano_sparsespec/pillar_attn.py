@@ -212,7 +212,7 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
     k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: the draft buffers [L, rows + 1, n_kv, C, D];
     block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer and KV head;
     columns: [B, n] where they go in each (layer, KV head) of the row.
-    Rows of D through one flat index each way (`index_select`, `index_copy_`): on the CPU in bfloat16, indexing by
+    Rows of D through one flat index each way (`gather_rows`, `index_copy_`): on the CPU in bfloat16, indexing by
     (layer, row) index pairs took 3-6x longer (a draft step's lookups, 11,520 rows: 5.6 ms against 0.9;
     benchmarks/cpu/session22_fill.txt), and `scatter_` over indexes expanded to D copied the whole buffer at every
     call (twenty-first session); pillar-lookup copies its lookups at every draft step. Not compiled: on the H200 a
@@ -230,7 +230,7 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
     target = layers * (draft_k[0].numel() // D) \
         + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)            # [L, B*n_kv*n]
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
-        buffer.view(-1, D).index_copy_(0, target.flatten(), cache.view(-1, D).index_select(0, source.flatten()))
+        buffer.view(-1, D).index_copy_(0, target.flatten(), gather_rows(cache.view(-1, D), source.flatten()))
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -239,8 +239,16 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     `index_select` rather than advanced indexing, which computes an offset per element: on the CPU, in isolation, it
     gathers a plain step's blocks 4x and rows per (position, KV head) 14x faster (step_anatomy.py sparse cpu, 8 x
     1,024; drafts gathered such rows at every step before they had draft buffers); in whole CPU steps a draft got
-    ~20% faster and a plain step did not change beyond the noise. Same speed on the H200."""
-    return table.index_select(0, index.flatten()).view(*index.shape, table.shape[1])
+    ~20% faster and a plain step did not change beyond the noise. Same speed on the H200.
+    The rows move as integers of the elements' size: on the CPU, `index_select` of bfloat16 rows took 2-12x as long
+    as of the same bytes viewed as int16, of float32 rows 1.5-2x as long as viewed as int32
+    (benchmarks/cpu/session22_gather_dtype.txt); a plain step of 8 x 4,096 spent 29-40 ms in it against 54
+    (benchmarks/cpu/step_ops.py plain 8 4096 bfloat16, profiled beside another job)."""
+    raw = table.view(_SAME_SIZE_INTEGER[table.element_size()])
+    return raw.index_select(0, index.flatten()).view(table.dtype).view(*index.shape, table.shape[1])
+
+
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # element bytes -> dtype
 
 
 def dense_attention(q, k, v, mask, score_weight=None):
