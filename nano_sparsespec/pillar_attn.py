@@ -213,7 +213,7 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
     block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer and KV head;
     columns: [B, n] where they go in each (layer, KV head) of the row.
     Rows of D through one flat index each way (`gather_rows`, `index_copy_`): on the CPU in bfloat16, indexing by
-    (layer, row) index pairs took 3-6x longer (a draft step's lookups, 11,520 rows: 5.6 ms against 0.9;
+    (layer, row) index pairs took 3-6x longer (a draft step's lookups, 11,520 rows: 4.7 ms against 0.8;
     benchmarks/cpu/session22_fill.txt), and `scatter_` over indexes expanded to D copied the whole buffer at every
     call (twenty-first session); pillar-lookup copies its lookups at every draft step. Not compiled: on the H200 a
     compiled version that took the buffers whole (and viewed them inside) made the engine's steps ~1.9 ms slower on
@@ -240,10 +240,10 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     gathers a plain step's blocks 4x and rows per (position, KV head) 14x faster (step_anatomy.py sparse cpu, 8 x
     1,024; drafts gathered such rows at every step before they had draft buffers); in whole CPU steps a draft got
     ~20% faster and a plain step did not change beyond the noise. Same speed on the H200.
-    The rows move as integers of the elements' size: on the CPU, `index_select` of bfloat16 rows took 2-12x as long
-    as of the same bytes viewed as int16, of float32 rows 1.5-2x as long as viewed as int32
-    (benchmarks/cpu/session22_gather_dtype.txt); a plain step of 8 x 4,096 spent 29-40 ms in it against 54
-    (benchmarks/cpu/step_ops.py plain 8 4096 bfloat16, profiled beside another job)."""
+    The rows move as integers of the elements' size: on the CPU, `index_select` of bfloat16 rows took 1.2-6x as long
+    as of the same bytes viewed as int16 (the most for tables the cache holds), of float32 rows up to 3.7x as long as
+    viewed as int32 (benchmarks/cpu/session22_gather_dtype.txt); a plain step of 8 x 4,096 spent 29-40 ms in it
+    against 54 (benchmarks/cpu/step_ops.py plain 8 4096 bfloat16, profiled beside another job)."""
     raw = table.view(_SAME_SIZE_INTEGER[table.element_size()])
     return raw.index_select(0, index.flatten()).view(table.dtype).view(*index.shape, table.shape[1])
 
@@ -364,7 +364,7 @@ def sparse_attention(q, k, v, valid):
     if k.device.type == "cpu":
         # The CPU's batched matmul of q @ k^T over matrices that lie apart (N of a row's C columns) takes a path 4x
         # slower than over a packed copy; the copy costs less than the difference (a layer of the embedded model at
-        # batch 8: 192 -> 122 us; benchmarks/cpu/session22_strided_matmul.txt). The GPU's does not care.
+        # batch 8: 200 -> 122 us; benchmarks/cpu/session22_strided_matmul.txt). The GPU's does not care.
         k = k.contiguous()
     q = q.view(R, n_kv, H // n_kv, D)                                                  # [R, n_kv, G, D]
     logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5                  # [R, n_kv, G, N]

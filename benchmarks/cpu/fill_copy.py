@@ -6,20 +6,10 @@ the KV pool and written into buffer rows, indexed by (layer, row) pairs (the twe
 
 Twenty-second session: benchmarks/cpu/session22_fill.txt.
 """
-import time
-
 import torch
 
+from clock import ms  # benchmarks/cpu/clock.py
 from nano_sparsespec import pillar_attn
-
-
-def per_call_ms(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def by_index_pairs(k_cache, v_cache, draft_k, draft_v, block_table, block_size, positions, rows, columns):
@@ -51,7 +41,7 @@ def main():
         positions = torch.randint(0, context - 100, (B, L, n_kv, n))
         rows, columns = torch.arange(B), torch.arange(n).expand(B, -1)
         args = (k_cache, v_cache, draft_k, draft_v, block_table[:B], block_size, positions, rows, columns)
-        times = [per_call_ms(lambda: by_index_pairs(*args)), per_call_ms(lambda: pillar_attn.fill_draft_buffers(*args))]
+        times = [ms(lambda: by_index_pairs(*args), 50), ms(lambda: pillar_attn.fill_draft_buffers(*args), 50)]
         reference = draft_k.clone()
         by_index_pairs(*args)
         pairs = draft_k.clone()

@@ -6,17 +6,9 @@ pool blocks (16 positions x 3 KV heads x 64, a request of 4,096 positions) and t
 
 Twenty-second session: benchmarks/cpu/session22_gather_dtype.txt.
 """
-import time
-
 import torch
 
-
-def per_call_ms(fn, reps: int = 20) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
+from clock import ms  # benchmarks/cpu/clock.py
 
 
 def main():
@@ -31,7 +23,7 @@ def main():
         for dtype, integer in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
             table = torch.randn(table_rows, width, generator=g).to(dtype)
             raw = table.view(integer)
-            times = per_call_ms(lambda: table.index_select(0, index)), per_call_ms(lambda: raw.index_select(0, index))
+            times = ms(lambda: table.index_select(0, index), 20), ms(lambda: raw.index_select(0, index), 20)
             assert torch.equal(raw.index_select(0, index).view(dtype), table.index_select(0, index))
             print(f"| {n} {what} | {table_rows} x {width} | {str(dtype)[6:]} | {times[0]:.3f} | {times[1]:.3f} |")
 

@@ -6,20 +6,10 @@ buffers' rows (a view whose matrices lie apart) and over packed copies of them.
 Twenty-second session: benchmarks/cpu/session22_strided_matmul.txt (`sparse_attention` before and after it packs
 the keys on the CPU).
 """
-import time
-
 import torch
 
+from clock import ms  # benchmarks/cpu/clock.py
 from nano_sparsespec import pillar_attn
-
-
-def per_call_us(fn, reps: int = 400) -> float:
-    for _ in range(20):
-        fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e6
 
 
 def main():
@@ -36,12 +26,12 @@ def main():
         valid = torch.rand(rows, n_kv, N) < 0.9
         k, v = k_buf[:, :, :N], v_buf[:, :, :N]
         kc, vc = k.contiguous(), v.contiguous()
-        times = [per_call_us(lambda: torch.matmul(grouped, k.transpose(-1, -2))),
-                 per_call_us(lambda: torch.matmul(grouped, kc.transpose(-1, -2))),
-                 per_call_us(lambda: k.contiguous()),
-                 per_call_us(lambda: torch.matmul(probs, v)),
-                 per_call_us(lambda: torch.matmul(probs, vc)),
-                 per_call_us(lambda: pillar_attn.sparse_attention(q, k, v, valid))]
+        times = [ms(lambda: torch.matmul(grouped, k.transpose(-1, -2)), 400) * 1e3,
+                 ms(lambda: torch.matmul(grouped, kc.transpose(-1, -2)), 400) * 1e3,
+                 ms(lambda: k.contiguous(), 400) * 1e3,
+                 ms(lambda: torch.matmul(probs, v), 400) * 1e3,
+                 ms(lambda: torch.matmul(probs, vc), 400) * 1e3,
+                 ms(lambda: pillar_attn.sparse_attention(q, k, v, valid), 400) * 1e3]
         print(f"| {N} | {C} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
 
 
