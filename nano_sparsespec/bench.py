@@ -20,8 +20,10 @@ Owns
     (`--peak-bandwidth`, or a measured device copy) it is the share of the roofline;
   * `--profile-steps`: the cost of one plain, one draft and one verification step at batch x context, run through
     the engine's own `ModelRunner` on a KV pool filled with random K/V, for the embedded model and for Qwen3-1.7B /
-    Qwen3-8B shapes with random weights; the speedup those costs give at a given acceptance, and where the time of a
-    plain step goes (linear layers, attention, other layer ops, engine host work);
+    Qwen3-8B shapes with random weights; the speedup those costs give at a given acceptance, the ceiling no drafter
+    can pass at that shape (`speedup_ceiling`: from a plain step over one block of context, the part of a step that
+    is not attention), and where the time of a plain step goes (linear layers, attention, other layer ops, engine
+    host work);
   * output: JSON (`--json-out`), markdown (`--md-out`, and printed last), a PNG bar chart (`--plot-out`, needs
     matplotlib).
 
@@ -659,10 +661,10 @@ class StepProfiler:
                 "verify": self.bm.step_bytes(b * (c + self.k + 1)),
                 "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1) + (b - n_verify) * (self.budget + 1))}
 
-    def measure(self, reps: int, warmup: int = 1) -> dict:
+    def measure(self, reps: int, warmup: int = 1, kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
         out = {}
-        for kind, fn in (("plain", self.plain), ("draft", self.draft), ("verify", self.verify),
-                         ("mixed", self.mixed)):
+        for kind in kinds:
+            fn = getattr(self, kind)
             for _ in range(warmup):
                 fn()
             out[kind] = statistics.median(fn() for _ in range(reps))
@@ -687,6 +689,14 @@ def speedup_model(plain: float, draft: float, verify: float, k: int, accepted: f
     return (accepted + 1) * plain / (k * draft + verify)
 
 
+def speedup_ceiling(plain: float, plain_floor: float, k: int, accepted: float) -> float:
+    """The most self-speculation can gain at a shape, whatever its kernels: a request gains at most accepted + 1
+    tokens per k + 1 steps (a balanced batch with every slot busy, no step lost), and no step that runs the model's
+    layers over the batch costs less than `plain_floor`, a plain step of the same batch with (almost) no context to
+    attend to. Where attention is a small part of a plain step, plain / plain_floor is near 1 and no drafter helps."""
+    return (accepted + 1) / (k + 1) * plain / plain_floor
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for item in (s.strip() for s in text.split(",") if s.strip()):
@@ -704,6 +714,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype, accepted: list[float]) -> list[dict]:
     shapes = parse_shapes(args.profile_shapes)
     max_context = max(c for _, c in shapes) + args.stride + 2
+    floor_context = min([args.block_size] + [c for _, c in shapes])
     results = []
     for name in [m.strip() for m in args.profile_models.split(",") if m.strip()]:
         if name == "model":
@@ -716,6 +727,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
         else:
             raise ValueError(f"unknown profile model {name!r}: expected 'model' or one of {list(QWEN3_SHAPES)}")
         built = False
+        floors = {}   # batch -> seconds of a plain step over one block of context at most (`speedup_ceiling`)
         for batch, context in shapes:
             entry = {"model": label, "batch": batch, "context": context, "stride": args.stride,
                      "dtype": str(dtype).replace("torch.", "")}
@@ -753,6 +765,14 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             entry["speedup_at_accepted"] = {f"{a:g}": round(speedup_model(times["plain"], times["draft"],
                                                                           times["verify"], args.stride, a), 3)
                                             for a in accepted}
+            if batch not in floors:
+                floor = StepProfiler(model, batch, floor_context, args.stride, device, dtype, args.budget_ratio,
+                                     args.min_budget, args.temperature, args.seed, args.cuda_graphs, args.block_size)
+                floors[batch] = floor.measure(args.profile_reps, kinds=("plain",))["plain"]
+                del floor
+            entry["plain_floor"] = {"context": floor_context, "ms": round(floors[batch] * 1e3, 3)}
+            entry["ceiling_at_accepted"] = {f"{a:g}": round(speedup_ceiling(times["plain"], floors[batch],
+                                                                            args.stride, a), 3) for a in accepted}
             if not args.cuda_graphs:   # a replayed graph runs no Python per module: nothing to split
                 entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
             results.append(entry)
@@ -827,12 +847,16 @@ def same_as_plain(r: dict) -> str:
 
 def profile_markdown(profile: list[dict], stride: int) -> str:
     accepted = next((list(e["speedup_at_accepted"]) for e in profile if "speedup_at_accepted" in e), [])
+    floor = next((e["plain_floor"]["context"] for e in profile if "plain_floor" in e), None)
     head = ("| model | batch x ctx | dtype | plain ms (GB/s) | draft ms (GB/s) | verify ms (GB/s) | draft / plain "
             "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) +
-            " | mixed ms | mixed / lock-step mean |")
+            f" | mixed ms | mixed / lock-step mean | plain ms at ctx {floor} | " +
+            " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
     lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; mixed: the balanced "
-             f"step, 1 request in {stride + 1} verifying, the others drafting):", "", head,
-             "|" + "---|" * (10 + len(accepted))]
+             f"step, 1 request in {stride + 1} verifying, the others drafting; ceiling: the most any self-speculation "
+             f"could gain at the shape, (accepted + 1) / (k + 1) x plain ms / plain ms at ctx {floor}, as if no step "
+             f"cost less than a plain step with nothing to attend to):", "", head,
+             "|" + "---|" * (11 + 2 * len(accepted))]
     for e in profile:
         shape = f"{e['batch']} x {e['context']}"
         if "skipped" in e:
@@ -840,9 +864,11 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
             continue
         cells = [f"{e[k]['ms']:.2f} ({e[k]['gbs']:.1f})" for k in ("plain", "draft", "verify")]
         speed = [f"{e['speedup_at_accepted'][a]:.2f}x" for a in accepted]
+        ceiling = [f"{e['ceiling_at_accepted'][a]:.2f}x" for a in accepted]
         lines.append(f"| {e['model']} | {shape} | {e['dtype']} | " + " | ".join(cells) +
                      f" | {e['draft_over_plain']:.2f} | {e['verify_over_plain']:.2f} | " + " | ".join(speed) +
-                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} |")
+                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} | "
+                     f"{e['plain_floor']['ms']:.2f} | " + " | ".join(ceiling) + " |")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
         lines += ["", "Where one plain step's time goes (ms; each part timed between synchronisations):", "",

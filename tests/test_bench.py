@@ -159,6 +159,12 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
         assert e["mixed"]["ms"] > 0 and e["mixed_over_lockstep_mean"] > 0
         assert set(e["speedup_at_accepted"]) == {"1", "3"}
         assert e["speedup_at_accepted"]["3"] > e["speedup_at_accepted"]["1"] > 0
+        # the ceiling: (accepted + 1) / (k + 1) tokens per step at best, each step at least a plain step over one
+        # block of context (or the shortest context profiled: 48 < 64), timed once per batch
+        assert e["plain_floor"]["context"] == 48 and e["plain_floor"]["ms"] > 0
+        for a in ("1", "3"):
+            assert e["ceiling_at_accepted"][a] == pytest.approx(
+                (int(a) + 1) / (K + 1) * e["plain"]["ms"] / e["plain_floor"]["ms"], rel=2e-3)
         assert e["plain_breakdown_ms"]["total"] > 0
     assert "Step profile" in capsys.readouterr().out
 
