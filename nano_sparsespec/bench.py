@@ -20,10 +20,10 @@ Owns
     (`--peak-bandwidth`, or a measured device copy) it is the share of the roofline;
   * `--profile-steps`: the cost of one plain, one draft and one verification step at batch x context, run through
     the engine's own `ModelRunner` on a KV pool filled with random K/V, for the embedded model and for Qwen3-1.7B /
-    Qwen3-8B shapes with random weights; the speedup those costs give at a given acceptance, the ceiling no drafter
-    can pass at that shape (`speedup_ceiling`: from a plain step over one block of context, the part of a step that
-    is not attention), and where the time of a plain step goes (linear layers, attention, other layer ops, engine
-    host work);
+    Qwen3-8B shapes with random weights; the speedup those costs give at a given acceptance (lock-step and balanced),
+    the ceiling no drafter can pass at that shape (`balanced_speedup` over a plain step with one block of context,
+    the part of a step that is not attention), and where the time of a plain step goes (linear layers, attention,
+    other layer ops, engine host work);
   * output: JSON (`--json-out`), markdown (`--md-out`, and printed last), a PNG bar chart (`--plot-out`, needs
     matplotlib).
 
@@ -689,12 +689,14 @@ def speedup_model(plain: float, draft: float, verify: float, k: int, accepted: f
     return (accepted + 1) * plain / (k * draft + verify)
 
 
-def speedup_ceiling(plain: float, plain_floor: float, k: int, accepted: float) -> float:
-    """The most self-speculation can gain at a shape, whatever its kernels: a request gains at most accepted + 1
-    tokens per k + 1 steps (a balanced batch with every slot busy, no step lost), and no step that runs the model's
-    layers over the batch costs less than `plain_floor`, a plain step of the same batch with (almost) no context to
-    attend to. Where attention is a small part of a plain step, plain / plain_floor is near 1 and no drafter helps."""
-    return (accepted + 1) / (k + 1) * plain / plain_floor
+def balanced_speedup(plain: float, step: float, k: int, accepted: float) -> float:
+    """Balanced batching with every slot busy: each request writes accepted + 1 tokens per k + 1 steps of cost
+    `step`, against plain decoding's one token per step of cost `plain`. With `step` the measured mixed step, what
+    the engine's balanced steps give at that shape; with `step` a plain step over one block of context (the part of a
+    step that is not attention, which no step that runs the model's layers over the batch undercuts), the ceiling no
+    drafter passes whatever its kernels: where attention is a small part of a plain step, that ceiling is near
+    (accepted + 1) / (k + 1) and no self-speculation helps."""
+    return (accepted + 1) / (k + 1) * plain / step
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -727,7 +729,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
         else:
             raise ValueError(f"unknown profile model {name!r}: expected 'model' or one of {list(QWEN3_SHAPES)}")
         built = False
-        floors = {}   # batch -> seconds of a plain step over one block of context at most (`speedup_ceiling`)
+        floors = {}   # batch -> seconds of a plain step over one block of context at most (`balanced_speedup`)
         for batch, context in shapes:
             entry = {"model": label, "batch": batch, "context": context, "stride": args.stride,
                      "dtype": str(dtype).replace("torch.", "")}
@@ -771,8 +773,10 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                 floors[batch] = floor.measure(args.profile_reps, kinds=("plain",))["plain"]
                 del floor
             entry["plain_floor"] = {"context": floor_context, "ms": round(floors[batch] * 1e3, 3)}
-            entry["ceiling_at_accepted"] = {f"{a:g}": round(speedup_ceiling(times["plain"], floors[batch],
-                                                                            args.stride, a), 3) for a in accepted}
+            entry["balanced_at_accepted"] = {f"{a:g}": round(balanced_speedup(times["plain"], times["mixed"],
+                                                                              args.stride, a), 3) for a in accepted}
+            entry["ceiling_at_accepted"] = {f"{a:g}": round(balanced_speedup(times["plain"], floors[batch],
+                                                                             args.stride, a), 3) for a in accepted}
             if not args.cuda_graphs:   # a replayed graph runs no Python per module: nothing to split
                 entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
             results.append(entry)
@@ -850,13 +854,15 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
     floor = next((e["plain_floor"]["context"] for e in profile if "plain_floor" in e), None)
     head = ("| model | batch x ctx | dtype | plain ms (GB/s) | draft ms (GB/s) | verify ms (GB/s) | draft / plain "
             "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) +
-            f" | mixed ms | mixed / lock-step mean | plain ms at ctx {floor} | " +
-            " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
-    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; mixed: the balanced "
-             f"step, 1 request in {stride + 1} verifying, the others drafting; ceiling: the most any self-speculation "
-             f"could gain at the shape, (accepted + 1) / (k + 1) x plain ms / plain ms at ctx {floor}, as if no step "
-             f"cost less than a plain step with nothing to attend to):", "", head,
-             "|" + "---|" * (11 + 2 * len(accepted))]
+            f" | mixed ms | mixed / lock-step mean | " + " | ".join(f"balanced @ {a} acc." for a in accepted) +
+            f" | plain ms at ctx {floor} | " + " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
+    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; speedup: lock-step, "
+             f"k drafts then a verification; mixed: the balanced step, 1 request in {stride + 1} verifying, the others "
+             f"drafting; balanced: (accepted + 1) / (k + 1) x plain ms / mixed ms, every slot busy; ceiling: the same "
+             f"with plain ms at ctx {floor} for the step, the most a drafter that runs the model's layers could gain "
+             f"at the shape, as no such step costs less than a plain step with next to nothing to attend to):", "",
+             head,
+             "|" + "---|" * (11 + 3 * len(accepted))]
     for e in profile:
         shape = f"{e['batch']} x {e['context']}"
         if "skipped" in e:
@@ -864,11 +870,12 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
             continue
         cells = [f"{e[k]['ms']:.2f} ({e[k]['gbs']:.1f})" for k in ("plain", "draft", "verify")]
         speed = [f"{e['speedup_at_accepted'][a]:.2f}x" for a in accepted]
+        balanced = [f"{e['balanced_at_accepted'][a]:.2f}x" for a in accepted]
         ceiling = [f"{e['ceiling_at_accepted'][a]:.2f}x" for a in accepted]
         lines.append(f"| {e['model']} | {shape} | {e['dtype']} | " + " | ".join(cells) +
                      f" | {e['draft_over_plain']:.2f} | {e['verify_over_plain']:.2f} | " + " | ".join(speed) +
-                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} | "
-                     f"{e['plain_floor']['ms']:.2f} | " + " | ".join(ceiling) + " |")
+                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} | " + " | ".join(balanced) +
+                     f" | {e['plain_floor']['ms']:.2f} | " + " | ".join(ceiling) + " |")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
         lines += ["", "Where one plain step's time goes (ms; each part timed between synchronisations):", "",
