@@ -1,6 +1,7 @@
 """Where a draft step's GPU time goes at a Qwen3 shape (random weights), against a plain step of the same batch.
 
     PYTHONPATH=. python benchmarks/h200/session20/draft_profile.py [--model qwen3-8b] [--batch 64] [--context 8000]
+        [--kinds plain,draft]        # any of the profiler's step kinds: plain, draft, verify, mixed (session 23)
 
 Builds the bench's `StepProfiler` on the fast path (CUDA graphs, compiled kernels, as `LLM(compile=True,
 cuda_graphs=True)` sets them), replays each step kind a few times, then profiles `--steps` replays of a plain step and
@@ -23,6 +24,7 @@ def main():
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--kinds", default="plain,draft")
     args = p.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     pillar_attn.compile_kernels(paged=True)
@@ -30,7 +32,7 @@ def main():
     verifier.compile_sampling()
     model = random_model(qwen3_shape(args.model, args.context + 10), device, dtype)
     prof = StepProfiler(model, args.batch, args.context, 8, device, dtype, 0.05, 128, 0.0, cuda_graphs=True)
-    for kind in ("plain", "draft"):
+    for kind in args.kinds.split(","):
         step = getattr(prof, kind)
         for _ in range(3):
             step()
