@@ -21,9 +21,9 @@ Owns
   * `--profile-steps`: the cost of one plain, one draft and one verification step at batch x context, run through
     the engine's own `ModelRunner` on a KV pool filled with random K/V, for the embedded model and for Qwen3-1.7B /
     Qwen3-8B shapes with random weights; the speedup those costs give at a given acceptance (lock-step and balanced),
-    the ceiling no drafter can pass at that shape (`balanced_speedup` over a plain step with one block of context,
-    the part of a step that is not attention), and where the time of a plain step goes (linear layers, attention,
-    other layer ops, engine host work);
+    the ceiling that no drafter running the model's layers can pass at that shape (`balanced_speedup` over a plain
+    step with one block of context, the part of a step that is not attention), and where the time of a plain step
+    goes (linear layers, attention, other layer ops, engine host work);
   * output: JSON (`--json-out`), markdown (`--md-out`, and printed last), a PNG bar chart (`--plot-out`, needs
     matplotlib).
 
@@ -694,7 +694,7 @@ def balanced_speedup(plain: float, step: float, k: int, accepted: float) -> floa
     `step`, against plain decoding's one token per step of cost `plain`. With `step` the measured mixed step, what
     the engine's balanced steps give at that shape; with `step` a plain step over one block of context (the part of a
     step that is not attention, which no step that runs the model's layers over the batch undercuts), the ceiling no
-    drafter passes whatever its kernels: where attention is a small part of a plain step, that ceiling is near
+    such drafter passes whatever its kernels: where attention is a small part of a plain step, that ceiling is near
     (accepted + 1) / (k + 1) and no self-speculation helps."""
     return (accepted + 1) / (k + 1) * plain / step
 
@@ -854,7 +854,7 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
     floor = next((e["plain_floor"]["context"] for e in profile if "plain_floor" in e), None)
     head = ("| model | batch x ctx | dtype | plain ms (GB/s) | draft ms (GB/s) | verify ms (GB/s) | draft / plain "
             "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) +
-            f" | mixed ms | mixed / lock-step mean | " + " | ".join(f"balanced @ {a} acc." for a in accepted) +
+            " | mixed ms | mixed / lock-step mean | " + " | ".join(f"balanced @ {a} acc." for a in accepted) +
             f" | plain ms at ctx {floor} | " + " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
     lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; speedup: lock-step, "
              f"k drafts then a verification; mixed: the balanced step, 1 request in {stride + 1} verifying, the others "
