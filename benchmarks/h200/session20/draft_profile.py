@@ -4,8 +4,8 @@
         [--kinds plain,draft]        # any of the profiler's step kinds: plain, draft, verify, mixed (session 23)
 
 Builds the bench's `StepProfiler` on the fast path (CUDA graphs, compiled kernels, as `LLM(compile=True,
-cuda_graphs=True)` sets them), replays each step kind a few times, then profiles `--steps` replays of a plain step and
-of a draft step with torch.profiler and prints the kernels by GPU time per step.
+cuda_graphs=True)` sets them), replays each step kind a few times, then profiles `--steps` replays of each (a plain
+and a draft step unless `--kinds` says otherwise) with torch.profiler and prints the kernels by GPU time per step.
 """
 import argparse
 
