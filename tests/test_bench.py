@@ -6,7 +6,10 @@ import json
 import pytest
 import torch
 
-from nano_sparsespec import bench
+from nano_sparsespec.async_loop import kv_positions_read
+from nano_sparsespec.cuda_graphs import compile_seconds
+from nano_sparsespec.device import common_prefix
+from nano_sparsespec.tools import bench, measure, profile, report, rows as bench_rows
 from nano_sparsespec.config import SamplingParams
 from nano_sparsespec.scheduler import Sequence, Work
 
@@ -34,7 +37,7 @@ def rows_result(tiny_qwen3, prompts_file, tmp_path_factory):
 def test_every_row_is_measured_with_sane_values(rows_result):
     result, _ = rows_result
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == list(bench.ROWS)
+    assert list(rows) == list(bench_rows.ROWS)
     for name, r in rows.items():
         assert r["tokens"] == BATCH * TOKENS, name
         assert r["seconds"] > 0 and r["tokens_per_second"] > 0, name
@@ -58,7 +61,7 @@ def test_every_row_is_measured_with_sane_values(rows_result):
     for name in ("streaming", "pillar-naive", "+balanced", "+offload", "+async"):
         assert rows[name]["steps"] > rows[name]["verifications"] > 0, name   # drafts cost model steps
     # Greedy speculation is lossless: every row of ours writes plain decoding's tokens.
-    for name in bench.ROWS:
+    for name in bench_rows.ROWS:
         if name != "hf":
             assert rows[name]["identical_to_plain"] == f"{BATCH}/{BATCH}", name
             assert rows[name]["mean_common_prefix"] == TOKENS, name
@@ -74,22 +77,22 @@ def test_every_row_is_measured_with_sane_values(rows_result):
                     reason="torch.compile unavailable")
 def test_compilation_inside_a_timed_run_is_reported(rows_result):
     """compile_seconds counts torch.compile's own compile time; the rows table names a row that compiled."""
-    before = bench.compile_seconds()
+    before = compile_seconds()
     torch.compile(lambda x: x * 2 + 1, dynamic=True)(torch.ones(3))
-    assert bench.compile_seconds() > before
+    assert compile_seconds() > before
     result, _ = rows_result
-    assert "compiled during timed runs" not in bench.rows_markdown(result)
+    assert "compiled during timed runs" not in report.rows_markdown(result)
     result = {**result, "rows": [{**result["rows"][1], "compile_seconds": 2.5, "compile_seconds_recording": 2.0},
                                  *result["rows"][2:]]}
     assert f"compiled during timed runs (shapes their warm-up did not meet; in tok/s but for what fell inside graph " \
            f"recording): {result['rows'][0]['name']} 2.5 s (2.0 s of it while recording graphs)." \
-           in bench.rows_markdown(result)
+           in report.rows_markdown(result)
 
 
 def test_prompt_field_and_outputs(rows_result):
     result, out = rows_result
     assert result["settings"]["prompt_tokens"] == [10, 23]         # "question" field, code points (no tokenizer)
-    assert result["settings"]["kv_blocks_offload"] == bench.default_kv_blocks([10, 23], TOKENS, K, 16, 0.6)
+    assert result["settings"]["kv_blocks_offload"] == bench_rows.default_kv_blocks([10, 23], TOKENS, K, 16, 0.6)
     md = (out / "b.md").read_text()
     assert "| +async |" in md and "| hf |" in md
     try:
@@ -102,7 +105,7 @@ def test_prompt_field_and_outputs(rows_result):
 def test_plain_and_hf_read_the_same_kv(rows_result):
     # Both do one prefill step then one decode step per token: the same (request, position) pairs.
     rows = {r["name"]: r for r in rows_result[0]["rows"]}
-    assert rows["plain"]["kv_positions"] == rows["hf"]["kv_positions"] == bench.hf_kv_positions([10, 23],
+    assert rows["plain"]["kv_positions"] == rows["hf"]["kv_positions"] == measure.hf_kv_positions([10, 23],
                                                                                                 [TOKENS, TOKENS])
     assert rows["plain"]["steps"] == rows["hf"]["steps"] == TOKENS
 
@@ -112,10 +115,10 @@ def test_byte_model_by_hand(tiny_qwen3):
 
     model = load_model(tiny_qwen3[0])        # untied: hidden 64, 2 layers, 2 KV heads of 16, vocab 256, float32
     params = sum(p.numel() for p in model.parameters())
-    bm = bench.byte_model(model, torch.float32)
+    bm = measure.byte_model(model, torch.float32)
     assert bm.weight_bytes == 4 * (params - 256 * 64)                 # the embedding table is only looked up
     assert bm.kv_bytes_per_position == 2 * 2 * 2 * 16 * 4             # K and V x layers x KV heads x dim x fp32
-    assert bench.byte_model(model, torch.bfloat16).kv_bytes_per_position == 256
+    assert measure.byte_model(model, torch.bfloat16).kv_bytes_per_position == 256
 
     seq = Sequence(0, list(range(10)), SamplingParams(), seed=0)
     seq.tokens += [1, 2, 3]                                           # num_verified = 12
@@ -124,18 +127,18 @@ def test_byte_model_by_hand(tiny_qwen3):
     works = [Work(seq, "prefill", 0, 10),                             # context 10
              Work(seq, "verify", 12, 5),                              # context 12 + 5 = 17
              Work(seq, "draft", 14, 1)]                               # 8 selected + window 12..14 = 11
-    assert bench.kv_positions_read(works, selection_len, "pillar") == 10 + 17 + 11
-    assert bench.kv_positions_read(works[2:], selection_len, "full") == 15   # dense drafts read the context
-    assert bench.hf_kv_positions([3, 5], [4, 1]) == (3 + 4 + 5 + 6) + 5
+    assert kv_positions_read(works, selection_len, "pillar") == 10 + 17 + 11
+    assert kv_positions_read(works[2:], selection_len, "full") == 15   # dense drafts read the context
+    assert measure.hf_kv_positions([3, 5], [4, 1]) == (3 + 4 + 5 + 6) + 5
     assert bm.run_bytes(steps=3, kv_positions=38) == 3 * bm.weight_bytes + 38 * 512
-    assert bench.common_prefix([1, 2, 3, 4], [1, 2, 5, 4]) == 2 and bench.common_prefix([1, 2], [1, 2, 3]) == 2
-    assert bench.speedup_model(plain=1.0, draft=0.5, verify=2.0, k=4, accepted=3.0) == pytest.approx(1.0)
-    assert bench.speedup_model(plain=1.0, draft=0.25, verify=1.0, k=4, accepted=3.0) == pytest.approx(2.0)
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5, 4]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
+    assert profile.speedup_model(plain=1.0, draft=0.5, verify=2.0, k=4, accepted=3.0) == pytest.approx(1.0)
+    assert profile.speedup_model(plain=1.0, draft=0.25, verify=1.0, k=4, accepted=3.0) == pytest.approx(2.0)
 
 
 def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys):
     # A random-weight model built from a config (as for the Qwen3-1.7B / 8B shapes), shrunk to test size.
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+    monkeypatch.setitem(profile.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
                                                                num_kv_heads=2, head_dim=16, intermediate_size=128,
                                                                vocab_size=300, tie_word_embeddings=True))
     out = tmp_path / "p.json"
@@ -174,11 +177,11 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
 def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
     """`--compile` profiles the fast path whether or not a model is loaded: with Qwen3 shapes alone (no LLM built)
     the compiled kernels are switched on all the same (else such a profile would time the eager kernels)."""
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+    monkeypatch.setitem(profile.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
                                                                num_kv_heads=2, head_dim=16, intermediate_size=128,
                                                                vocab_size=300, tie_word_embeddings=True))
     switched = []
-    monkeypatch.setattr(bench.async_loop, "compile_fast_path", lambda device, graphs: switched.append((device, graphs)))
+    monkeypatch.setattr(bench.kernels, "compile_fast_path", lambda device, graphs: switched.append((device, graphs)))
     argv = ["--profile-steps", "--profile-shapes", "1x32", "--profile-models", "qwen3-tiny", "--stride", str(K),
             "--min-budget", "8", "--profile-reps", "1", "--device", "cpu", "--threads", "1",
             "--json-out", str(tmp_path / "p.json")]

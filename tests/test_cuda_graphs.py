@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import generate
-from nano_sparsespec import SamplingParams, pillar_attn
+from nano_sparsespec import SamplingParams, attention, kernels
 from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 from nano_sparsespec.runner import ModelRunner
+from nano_sparsespec.step_lists import StepLists
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -68,7 +69,7 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
         if not static:
             return run(self, plan, shape, static)
         # the eager step writes the same K/V and drafts that the padded step then writes again
-        eager, eager_scores = run(self, plan, self._shape(plan), False)
+        eager, eager_scores = run(self, plan, self.step_lists.shape(plan), False)
         eager, eager_drafts = eager.clone(), self.draft_tokens.clone()
         eager_scores = None if eager_scores is None else eager_scores.clone()
         packed, scores = run(self, plan, shape, True)
@@ -91,20 +92,20 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     assert worst["scores"] < 1e-6, worst
 
 
-@pytest.mark.parametrize("chunk", [pillar_attn.PAGED_CHUNK, 16])
+@pytest.mark.parametrize("chunk", [kernels.PAGED_CHUNK, 16])
 def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
     plain decoding on it, with contexts in one piece (these are shorter than PAGED_CHUNK) or cut into chunks of one
     block, merged by their logsumexps."""
-    monkeypatch.setattr(pillar_attn, "PAGED_CHUNK", chunk)
+    monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
     calls, splits = [], []
 
     def counted(out, q, q_index, k_layer, v_layer, block_mask):
         calls.append(q_index.shape[1])                  # query rows per request: 1 plain decoding, k + 1 verification
         splits.append(block_mask.kv_num_blocks.shape[0] // q_index.shape[0])            # chunks per context
-        pillar_attn.paged_dense(out, q, q_index, k_layer, v_layer, block_mask)
-    monkeypatch.setitem(pillar_attn._kernels, "paged", counted)
+        kernels.paged_dense(out, q, q_index, k_layer, v_layer, block_mask)
+    monkeypatch.setitem(attention._kernels, "paged", counted)
     _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
     _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
                        budget_ratio=0.1, batch_policy="balanced", async_verify=True, kv_blocks=12, block_size=16,
@@ -155,7 +156,7 @@ def test_eager_steps_have_a_padding_row_only_when_they_pad(tiny_qwen3, prompts, 
     """A padding row is a whole token's work (on a CPU a batch of one takes twice as long with it), so an eager step
     has one only when a dense request has fewer query rows than the longest (a prefill chunk beside decoding)."""
     seen = {True: 0, False: 0}
-    shape_of = ModelRunner._shape
+    shape_of = StepLists.shape
 
     def noted(self, plan):
         shape = shape_of(self, plan)
@@ -165,7 +166,7 @@ def test_eager_steps_have_a_padding_row_only_when_they_pad(tiny_qwen3, prompts, 
         seen[ragged] += 1
         return shape
 
-    monkeypatch.setattr(ModelRunner, "_shape", noted)
+    monkeypatch.setattr(StepLists, "shape", noted)
     generate(tiny_qwen3[0], prompts, method="plain", max_batch=5, prefill_chunk=32)
     assert seen[True] and seen[False]
 

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from conftest import run
-from nano_sparsespec import pillar_attn
+from nano_sparsespec import lookup
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.pillar_attn import lookup_positions, merge_lookup, select_pillar
+from nano_sparsespec.lookup import lookup_positions, merge_lookup
+from nano_sparsespec.pillar_attn import select_pillar
 from nano_sparsespec.runner import ModelRunner
+from nano_sparsespec.step_lists import StepLists
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -162,8 +164,8 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
     plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.)"""
     checked, drafting, lookups, selections = [], [], [], {}
-    sparse_lists, sparse_batch = ModelRunner._sparse_lists, ModelRunner._sparse_batch
-    set_selections, kept_beside_lookups = ModelRunner.set_selections, pillar_attn.kept_beside_lookups
+    sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
+    set_selections, kept_beside_lookups = ModelRunner.set_selections, lookup.kept_beside_lookups
 
     def noted_selections(self, seqs, positions):
         selections.update({seq.row: p for seq, p in zip(seqs, positions)})          # row -> [L, n_kv, n]
@@ -197,9 +199,9 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
         return batch
 
     monkeypatch.setattr(ModelRunner, "set_selections", noted_selections)
-    monkeypatch.setattr(ModelRunner, "_sparse_lists", noted_lists)
+    monkeypatch.setattr(StepLists, "_sparse_lists", noted_lists)
     monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
-    monkeypatch.setattr(pillar_attn, "kept_beside_lookups", noted_kept)
+    monkeypatch.setattr(lookup, "kept_beside_lookups", noted_kept)
     _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1)
     assert [o.token_ids for o in outs] == plain_greedy
     assert checked and all(checked)

@@ -39,9 +39,9 @@ def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, mo
     """A step that prefills some requests while others decode attends the chunks apart (`StepShape.dense_runs`): the
     decoding requests are attended with their one query row, not padded to a chunk's, and the chunks in runs that pad
     at most 2x their query rows. Output equals plain greedy decoding."""
-    from nano_sparsespec import pillar_attn
-    from nano_sparsespec.runner import ModelRunner
-    attention, shape, steps = pillar_attn.dense_attention, ModelRunner._shape, []
+    from nano_sparsespec import attention as attention_module
+    from nano_sparsespec.step_lists import StepLists
+    attention, shape, steps = attention_module.dense_attention, StepLists.shape, []
 
     def planned(self, plan):
         kinds = [w.kind for w, _ in plan.dense]
@@ -52,8 +52,8 @@ def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, mo
     def recorded(q, k, v, mask, score_weight=None):
         steps[-1]["calls"].append(tuple(q.shape[:2]))                   # (requests, query rows) of one call
         return attention(q, k, v, mask, score_weight)
-    monkeypatch.setattr(ModelRunner, "_shape", planned)
-    monkeypatch.setattr(pillar_attn, "dense_attention", recorded)
+    monkeypatch.setattr(StepLists, "shape", planned)
+    monkeypatch.setattr(attention_module, "dense_attention", recorded)
     _, outs = run(tiny_qwen3[0], prompts, method="plain", max_batch=5, block_size=16, prefill_chunk=32)
     assert [o.token_ids for o in outs] == plain_greedy
     mixed = [s for s in steps if s["decoding"] and s["chunks"]]
@@ -68,23 +68,23 @@ def test_prefill_chunks_are_attended_apart(tiny_qwen3, prompts, plain_greedy, mo
 
 
 def test_dense_runs_group_prefill_chunks_by_length():
-    """`ModelRunner._dense_runs`: the other dense requests in one run, then the chunks (longest first) cut into runs
+    """`StepLists._dense_runs`: the other dense requests in one run, then the chunks (longest first) cut into runs
     wherever a chunk is less than half its run's first; each run's query rows and context blocks are its own, and
     runs of chunks are marked `prefill`. A step without chunks attends as one batch (no runs)."""
     from types import SimpleNamespace
-    from nano_sparsespec.runner import ModelRunner
     from nano_sparsespec.scheduler import Work
+    from nano_sparsespec.step_lists import StepLists
 
     def works(kind, spans):
         return [Work(None, kind, start, n) for start, n in spans]
     runner = SimpleNamespace(cache=SimpleNamespace(block_size=16))
     decoding = works("verify", [(40, 1), (100, 9), (7, 1)])
     chunks = works("prefill", [(0, 32), (64, 20), (0, 15), (0, 8), (16, 3)])
-    assert ModelRunner._dense_runs(runner, decoding + chunks) == (
+    assert StepLists._dense_runs(runner, decoding + chunks) == (
         (0, 3, 9, 7, False), (3, 2, 32, 6, True), (5, 2, 15, 1, True), (7, 1, 3, 2, True))
-    assert ModelRunner._dense_runs(runner, decoding) == ()
-    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 17)])) == ((0, 2, 32, 2, True),)
-    assert ModelRunner._dense_runs(runner, works("prefill", [(0, 32), (0, 15)])) == (
+    assert StepLists._dense_runs(runner, decoding) == ()
+    assert StepLists._dense_runs(runner, works("prefill", [(0, 32), (0, 17)])) == ((0, 2, 32, 2, True),)
+    assert StepLists._dense_runs(runner, works("prefill", [(0, 32), (0, 15)])) == (
         (0, 1, 32, 2, True), (1, 1, 15, 1, True))
 
 
@@ -257,7 +257,7 @@ def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
 
     def check():
         live = [s for s in seqs if s.seq_id in cache.pool.tables]
-        changes = runner._table_changes(live)
+        changes = runner.step_lists.table_changes(live)
         runner._apply_table_changes(torch.tensor(changes) if changes else None,
                                     max(len(cache.pool.tables[s.seq_id]) for s in live))
         tables = runner.block_tables[[s.row for s in live]]

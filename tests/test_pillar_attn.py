@@ -1,4 +1,4 @@
-"""pillar_attn.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
+"""attention.py, pillar_attn.py, kernels.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
 critical-token selection policies (PillarAttn top-B, StreamingLLM sink + recent)."""
 import math
 import shutil
@@ -6,9 +6,10 @@ import shutil
 import pytest
 import torch
 
-from nano_sparsespec import pillar_attn as pa
-from nano_sparsespec.pillar_attn import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
-                                         pillar_scores, select_pillar, select_streaming, sparse_attention)
+from nano_sparsespec import attention, kernels
+from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
+                                       sparse_attention)
+from nano_sparsespec.pillar_attn import pillar_scores, select_pillar, select_streaming
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
 G = H // N_KV
@@ -17,9 +18,9 @@ TOL = 1e-5
 
 @pytest.fixture(autouse=True)
 def eager_kernels():
-    pa.use_eager_kernels()
+    kernels.use_eager_kernels()
     yield
-    pa.use_eager_kernels()
+    kernels.use_eager_kernels()
 
 
 def softmax_row(logits):
@@ -286,15 +287,15 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     sparse = SparseBatch(torch.tensor([row_S]), torch.tensor([1]), torch.tensor([1]), torch.tensor([2]), valid)
     ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, draft_k, draft_v, dense=dense, sparse=sparse)
     if paged:
-        pa.use_paged_reference()
-    pa.prepare(ctx, G)
+        kernels.use_paged_reference()
+    attention.prepare(ctx, G)
     assert (dense.block_mask is not None) == paged
 
     out = attend(layer, q, k, v, ctx)
     assert out.shape == (T, H, D)
     # gather + SDPA scores the layer from the keys it gathered; the paged path leaves it to `finish`
     assert (dense.scores == -1).all() == paged and bool(dense.score_queries) == paged
-    pa.finish(ctx)
+    attention.finish(ctx)
 
     # K/V written at slot_mapping of this layer only; every other slot untouched
     assert torch.equal(k_cache[layer, slot_mapping], k) and torch.equal(v_cache[layer, slot_mapping], v)
@@ -358,8 +359,8 @@ def test_paged_attention_in_chunks_is_dense_attention(splits):
     positions = torch.arange(nb * block)[None, None, :]
     mask = (positions <= (q_start[:, None] + torch.arange(Q))[:, :, None]) & (q_valid[:, :, None] | (positions == 0))
 
-    block_mask = pa.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, splits=splits)
-    out = pa.paged_attention(q, k_pool, v_pool, block_mask)                           # [5, Q, H, D]
+    block_mask = kernels.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, splits=splits)
+    out = kernels.paged_attention(q, k_pool, v_pool, block_mask)                           # [5, Q, H, D]
 
     def gathered(pool):                                                               # [5, nb * block, N_KV, D]
         return pool.view(pool_blocks, block, N_KV, D)[table].view(5, nb * block, N_KV, D)
@@ -404,7 +405,7 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged
     from conftest import make_tiny_checkpoint
     from nano_sparsespec.model import load_model
 
-    assert pa._layer_runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 1), (4, 2)]
+    assert kernels._layer_runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 1), (4, 2)]
     path, _ = make_tiny_checkpoint(tmp_path, "qwen3")
     model = load_model(path)
     cfg = model.config
@@ -418,8 +419,8 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [0.0, 0.0, 1.0]])      # a verification, a last prefill chunk
 
     def scores_with(chunk_bytes, paged):
-        monkeypatch.setattr(pa, "SCORE_CHUNK_BYTES", chunk_bytes)
-        pa.use_paged_reference() if paged else pa.use_eager_kernels()
+        monkeypatch.setattr(kernels, "SCORE_CHUNK_BYTES", chunk_bytes)
+        kernels.use_paged_reference() if paged else kernels.use_eager_kernels()
         k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
         dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), torch.zeros(2),
                            runs=((0, 2, mask, False),), score_weight=weight,
@@ -458,7 +459,7 @@ def test_runs_attend_and_score_as_one_batch(tmp_path):
     kv = torch.arange(Lmax)[None, None, :]
     q_pos = (q_start[:, None] + torch.arange(3))[:, :, None]
     mask = (kv <= q_pos) & (q_valid[:, :, None] | (kv == 0))
-    assert torch.equal(pa.causal_mask(q_start, q_valid, Lmax), mask)
+    assert torch.equal(attention.causal_mask(q_start, q_valid, Lmax), mask)
     weight = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     k_cache = torch.randn(cfg.num_layers, 20, cfg.num_kv_heads, cfg.head_dim,
                           generator=torch.Generator().manual_seed(4))
@@ -633,21 +634,21 @@ def test_compiled_kernels_match_eager():
         kernel(out, sq, sk, sv, keys, values, *draft_lists, svalid)
         return out, keys, values
     _, eager_scores = dense_attention(q, k, v, mask, weight)
-    eager_sparse = sparse_branch(pa.sparse_drafts)
+    eager_sparse = sparse_branch(attention.sparse_drafts)
     # the K/V write into one layer of a pool of 4: q | k | v side by side as the model's projection lays them out
     pool_k, pool_v = torch.zeros(2, 4, 16, N_KV, D).unbind(0)
     qkv, slots = torch.randn(5, H + 2 * N_KV, D, generator=g), torch.tensor([3, 9, 0, 15, 7])
     k_new, v_new = qkv[:, H:H + N_KV], qkv[:, H + N_KV:]
 
-    pa.compile_kernels()
+    kernels.compile_kernels()
     try:
-        assert all(pa._kernels[name] is not eager for name, eager in
-                   [("store", pa.store_kv), ("scores", pillar_scores), ("sparse", pa.sparse_drafts)])
-        scores = pa._kernels["scores"](q, k, mask, weight)         # the compiled score pass
-        sparse_out = sparse_branch(pa._kernels["sparse"])
-        pa._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
+        assert all(attention._kernels[name] is not eager for name, eager in
+                   [("store", attention.store_kv), ("scores", pillar_scores), ("sparse", attention.sparse_drafts)])
+        scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
+        sparse_out = sparse_branch(attention._kernels["sparse"])
+        attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
     finally:
-        pa.use_eager_kernels()
+        kernels.use_eager_kernels()
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out[0], eager_sparse[0], atol=1e-4)
     assert torch.equal(sparse_out[1], eager_sparse[1]) and torch.equal(sparse_out[2], eager_sparse[2])
@@ -656,8 +657,8 @@ def test_compiled_kernels_match_eager():
     written[2, slots] = True
     assert torch.equal(pool_k[2, slots], k_new) and torch.equal(pool_v[2, slots], v_new)
     assert not pool_k[~written].any() and not pool_v[~written].any()          # no other slot or layer touched
-    assert pa._kernels["scores"] is pillar_scores and pa._kernels["sparse"] is pa.sparse_drafts
-    assert pa._kernels["store"] is pa.store_kv
+    assert attention._kernels["scores"] is pillar_scores and attention._kernels["sparse"] is attention.sparse_drafts
+    assert attention._kernels["store"] is attention.store_kv
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
@@ -676,21 +677,21 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     q_start = torch.tensor([40, 50, 20, 63], device=device)
     q_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
     mask = torch.arange(4 * block, device=device)[None, None] <= q_start[:, None, None]        # [B, 1, 64]
-    block_mask = pa.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, splits=splits)
+    block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, splits=splits)
     q_index = torch.tensor([[0], [2], [3], [5]], device=device)                         # the dense rows of the step
     steps = [torch.randn(T, H, head_dim, generator=g).to(device) for T in (7, 9, 12)]   # 7, 9, 12 token rows
     expected = []
     for q in steps:
         expected.append(torch.zeros_like(q))
-        pa.paged_dense(expected[-1], q, q_index, k_pool, v_pool, block_mask)
+        kernels.paged_dense(expected[-1], q, q_index, k_pool, v_pool, block_mask)
     counters.clear()
-    pa.compile_kernels(paged=True)
+    kernels.compile_kernels(paged=True)
     try:
         for q, reference in zip(steps, expected):
             out = torch.zeros_like(q)
-            pa._kernels["paged"](out, q, q_index, k_pool, v_pool, block_mask)
+            attention._kernels["paged"](out, q, q_index, k_pool, v_pool, block_mask)
             torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
             assert not out[[1, 4, 6]].any()                                    # rows of no dense request: untouched
     finally:
-        pa.use_eager_kernels()
+        kernels.use_eager_kernels()
     assert counters["stats"]["unique_graphs"] == 1

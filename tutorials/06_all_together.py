@@ -21,7 +21,7 @@ tools, and says how to read their numbers and where to run them for real. Number
    verifications accepted 0..k drafts) and acceptance_by_position (P(draft j accepted | all before it accepted)).
    Skipped with --quick.
 
-3. The benchmark, `python -m nano_sparsespec.bench`: the same requests through each row, one SparseSpec piece added
+3. The benchmark, `python -m nano_sparsespec.tools.bench`: the same requests through each row, one SparseSpec piece added
    at a time (plain; pillar-naive; +balanced; +async, which also bounds the KV pool), here 4 requests, 24 tokens,
    k = 4. It prints a markdown table; in the quoted run:
        | row          | tok/s | vs plain | accepted / k | GB/s | ... | steps | offloads / restores | = plain |
@@ -111,11 +111,11 @@ def main(argv=None) -> None:
         table(["field", "value", "meaning"], [[key, str(stats.get(key)), meaning] for key, meaning in STATS.items()])
 
     section("3. The benchmark: every piece switched on one at a time")
-    if importlib.util.find_spec("nano_sparsespec.bench") is None:
-        print("python -m nano_sparsespec.bench is not in this checkout yet.")
+    if importlib.util.find_spec("nano_sparsespec.tools.bench") is None:
+        print("python -m nano_sparsespec.tools.bench is not in this checkout yet.")
     else:
         batch, tokens, k = (2, 8, 4) if args.quick else (4, 24, 4)
-        bench = [sys.executable, "-m", "nano_sparsespec.bench", *model,
+        bench = [sys.executable, "-m", "nano_sparsespec.tools.bench", *model,
                  "--rows", "plain,pillar-naive,+balanced,+async", "--batch-size", str(batch),
                  "--max-new-tokens", str(tokens), "--ignore-eos", "--stride", str(k), "--min-budget", "16"]
         if args.threads > 0:
@@ -135,9 +135,9 @@ def main(argv=None) -> None:
     print("Install the CUDA build of torch first, then this package (pip install -e '.[embedded]'). Then:")
     for line in ("python -m nano_sparsespec.generate --device cuda --dtype bfloat16 --cuda-graphs --compile "
                  "--method pillar --async --prompt '...'",
-                 "python -m nano_sparsespec.bench --device cuda --dtype bfloat16 --cuda-graphs --compile "
+                 "python -m nano_sparsespec.tools.bench --device cuda --dtype bfloat16 --cuda-graphs --compile "
                  "--batch-size 64 --max-new-tokens 2048 --ignore-eos",
-                 "python -m nano_sparsespec.bench --device cuda --profile-steps --profile-shapes 32x8k,64x32k"):
+                 "python -m nano_sparsespec.tools.bench --device cuda --profile-steps --profile-shapes 32x8k,64x32k"):
         print(f"  $ {line}")
     print("--cuda-graphs --compile is the fast GPU path: torch.compile'd kernels, and each decode step, padded to "
           "a bucket shape, is one upload of its index lists and one replay of a CUDA graph that builds the step's "

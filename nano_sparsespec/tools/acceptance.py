@@ -1,4 +1,4 @@
-"""Acceptance measurement: `python -m nano_sparsespec.acceptance` — how many of k drafts each drafter gets accepted.
+"""Acceptance measurement: `python -m nano_sparsespec.tools.acceptance` — how many of k drafts each drafter gets accepted.
 
 Owns
   * the sweep: every combination of `--methods` x `--temperatures` x `--budget-ratios` x `--min-budgets` (methods
@@ -12,9 +12,9 @@ Owns
   * `--no-repeat-ngram N`: a measurement on text that cannot loop. Every logits row — of the drafter *and* of the
     verifier — has the tokens banned that would repeat an N-gram already in the request's output (prompt excluded).
     This changes the target model, but it changes the drafter identically, so speculation stays lossless with
-    respect to that banned target (greedy outputs of all methods still agree; `full` still accepts everything). It
-    wraps the engine's `ModelRunner` for the duration of the sweep and reads draft tokens back to the host at every
-    step: fine for counting acceptance, not for timing.
+    respect to that banned target (greedy outputs of all methods still agree; `full` still accepts everything). The
+    engine runs a `ModelRunner` subclass that reads draft tokens back to the host at every step: fine for
+    counting acceptance, not for timing.
   * a method may carry SpecConfig overrides: `--methods "pillar,pillar-lookup:lookup_matches=4"` (fields
     separated by ':'); its label in the table is the string as given. Batching is naive lock-step (acceptance does
     not depend on the batch policy, and so every cycle offers k drafts but the last).
@@ -25,7 +25,6 @@ Output: a markdown table on stdout (and `--md-out`), the full record (per reques
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -35,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from . import async_loop
-from .async_loop import LLM
-from .config import SamplingParams, SpecConfig
-from .runner import ModelRunner
+from ..config import SamplingParams, SpecConfig
+from ..llm import LLM
+from ..runner import ModelRunner
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "reasoning.jsonl"
 BUILTIN_PROMPTS = [
@@ -137,7 +135,7 @@ class _BannedLogits:
 
 class NoRepeatNgramRunner(ModelRunner):
     """`ModelRunner` whose draft and verification logits ban repeated N-grams of each request's output."""
-    ngram = 0     # set by `no_repeat_ngram`
+    ngram = 0     # set by `no_repeat_ngram_runner`
 
     def __init__(self, model, cache, spec, *args, **kwargs):
         super().__init__(model, cache, spec, *args, **kwargs)
@@ -167,19 +165,12 @@ class NoRepeatNgramRunner(ModelRunner):
             self.model.histories = None
 
 
-@contextlib.contextmanager
-def no_repeat_ngram(n: int):
-    """While active (n > 0), every engine built by `LLM.generate` bans repeated n-grams in drafts and verification."""
+def no_repeat_ngram_runner(n: int) -> type[ModelRunner]:
+    """The runner class that bans repeated n-grams of each request's output in drafts and verification
+    (`NoRepeatNgramRunner`), or the plain `ModelRunner` when n <= 0: pass it as `LLM(runner_class=...)`."""
     if n <= 0:
-        yield
-        return
-    original = async_loop.ModelRunner
-    runner = type("NoRepeatNgramRunner", (NoRepeatNgramRunner,), {"ngram": n})
-    async_loop.ModelRunner = runner
-    try:
-        yield
-    finally:
-        async_loop.ModelRunner = original
+        return ModelRunner
+    return type("NoRepeatNgramRunner", (NoRepeatNgramRunner,), {"ngram": n})
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -305,7 +296,7 @@ def ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nano_sparsespec.acceptance",
+    p = argparse.ArgumentParser(prog="python -m nano_sparsespec.tools.acceptance",
                                 description="Mean accepted drafts of k per drafter, by context length, with the "
                                             "repetitiveness of the text.")
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
@@ -359,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     try:                                           # bad configs fail before the model loads
         methods = [parse_method(m.strip()) for m in args.methods.split(",") if m.strip()]
         configs = build_configs(args, methods, args.num_prompts)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, gguf=args.gguf)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, gguf=args.gguf,
+                  runner_class=no_repeat_ngram_runner(args.no_repeat_ngram))
         token_ids = [llm.encode(p) for p in load_prompts(args)]
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -368,13 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(token_ids)} prompts ({', '.join(str(len(t)) for t in token_ids)} tokens), {args.max_new_tokens} new "
           f"tokens each, k = {args.stride}, {len(configs)} configs, device {llm.device}, dtype {llm.dtype}"
           + (f", repeated {args.no_repeat_ngram}-grams banned" if args.no_repeat_ngram else ""), file=sys.stderr)
-    with no_repeat_ngram(args.no_repeat_ngram):
-        for label, spec, temperature in configs:
-            row = run_config(llm, label, spec, temperature, token_ids, args, edges)
-            rows.append(row)
-            print(f"  {label} T={temperature:g} ratio={spec.budget_ratio:g} min={spec.min_budget}: "
-                  f"{_fmt(row['mean_accepted'])} of {args.stride}, rep4 {row['rep4']:.0%}, run32 {row['run32']:.0%}, "
-                  f"{row['seconds']:.0f} s", file=sys.stderr, flush=True)
+    for label, spec, temperature in configs:
+        row = run_config(llm, label, spec, temperature, token_ids, args, edges)
+        rows.append(row)
+        print(f"  {label} T={temperature:g} ratio={spec.budget_ratio:g} min={spec.min_budget}: "
+              f"{_fmt(row['mean_accepted'])} of {args.stride}, rep4 {row['rep4']:.0%}, "
+              f"run32 {row['run32']:.0%}, {row['seconds']:.0f} s", file=sys.stderr, flush=True)
     # Greedy runs decode the same target: their outputs should agree (bf16 on a GPU may flip near-ties).
     greedy = [r for r in rows if r["temperature"] == 0]
     for r in greedy:

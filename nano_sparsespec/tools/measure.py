@@ -1,0 +1,186 @@
+"""What the benchmark tools measure with: the byte model, peak memory, bandwidth, the machine.
+
+Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
+position it attends to), `PeakMemory`, the device's copy bandwidth and the roofline peak, and the
+machine and git state a result records.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import gc
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..model import CausalLM
+
+H200_PEAK_GBS = 4300.0
+
+
+@dataclass(frozen=True)
+class ByteModel:
+    """Bytes one step must read: the weights once, plus K and V of every attended (request, position) pair."""
+    weight_bytes: int             # parameters read once per step (an untied embedding table is only looked up: not counted)
+    kv_bytes_per_position: int    # K and V of one position, all layers and KV heads
+
+    def step_bytes(self, kv_positions: int) -> int:
+        return self.weight_bytes + kv_positions * self.kv_bytes_per_position
+
+    def run_bytes(self, steps: int, kv_positions: int) -> int:
+        return steps * self.weight_bytes + kv_positions * self.kv_bytes_per_position
+
+
+def byte_model(model: CausalLM, kv_dtype: torch.dtype) -> ByteModel:
+    cfg = model.config
+    weights = model.weight_bytes()
+    if model.lm_head is not None:  # untied: each step reads only its tokens' rows of the embedding table
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+    return ByteModel(weights, kv)
+
+
+
+def _left_padded(token_ids: list[list[int]], device) -> dict:
+    """input_ids and attention_mask [B, width] of these prompts, left-padded with 0 (as `generate` takes them)."""
+    width = max(len(t) for t in token_ids)
+    input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(token_ids):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        mask[i, width - len(ids):] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
+def hf_kv_positions(prompt_lens: list[int], output_lens: list[int]) -> int:
+    """KV positions transformers' batched generate must read (without its padding): a request of p prompt tokens
+    that writes n tokens reads p positions in the prefill step, then p + t at decode step t = 1 .. n-1."""
+    return sum(p + sum(p + t for t in range(1, n)) for p, n in zip(prompt_lens, output_lens))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Measuring: synchronisation, memory, peak bandwidth
+
+def model_label(path: Path) -> str:
+    """A model directory's name without the cache's hash suffix (`SmolLM2-135M-Instruct.Q4_1-7219ceb7bc91`)."""
+    name = Path(path).name
+    stem, _, tail = name.rpartition("-")
+    return stem if stem and len(tail) == 12 and all(c in "0123456789abcdef" for c in tail) else name
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """Peak memory above what the process held when the block started: CUDA allocator peak on a GPU, process RSS
+    (sampled every 5 ms by a thread) on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak_bytes = device, 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._start = self._max = _rss_bytes()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self._max = max(self._max, _rss_bytes())
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._max, _rss_bytes())
+        self.peak_bytes = max(0, peak - self._start)
+        return False
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int | None = None, reps: int = 5) -> float:
+    """Measured copy bandwidth (read + write bytes per second) of one large tensor on `device`."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return 2 * nbytes * reps / seconds / 1e9
+
+
+def peak_bandwidth(device: torch.device, given: float | None) -> tuple[float, str, float]:
+    """(peak GB/s used for the roofline, where it comes from, measured copy GB/s)."""
+    measured = copy_bandwidth_gbs(device)
+    if given is not None:
+        return given, "--peak-bandwidth", measured
+    if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
+        return H200_PEAK_GBS, "H200 (4.3 TB/s)", measured
+    return measured, "measured copy", measured
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    info["git"] = git_state()
+    return info
+
+
+def git_state() -> dict | None:
+    """The checkout's commit and whether the package has uncommitted changes (None outside a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "nano_sparsespec"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "package_dirty": bool(dirty)}
+
+

@@ -1,0 +1,345 @@
+"""The step profile (`bench --profile-steps`): what one step of each kind costs at a shape, and the
+speedup that follows.
+
+Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch` requests
+that each hold `context` cached positions, run through the engine's own `ModelRunner` on a KV pool of
+random K/V), Qwen3 shapes with random weights, and the speedup models: lock-step, balanced, and the
+ceiling, `balanced_speedup` over a plain step with one block of context (the part of a step that is
+not attention, which no drafter that runs the model's layers undercuts).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import pillar_attn
+from ..config import ModelConfig, SamplingParams, SpecConfig
+from ..kv_cache import KVCache
+from ..llm import LLM
+from ..model import CausalLM, RotaryEmbedding
+from ..runner import ModelRunner
+from ..scheduler import Sequence, Status, Work
+from .measure import byte_model, model_label, synchronize
+
+# Qwen3 shapes for the step profile (random weights; no files): the fields that differ.
+QWEN3_SHAPES = {
+    "qwen3-1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                       intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                     intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+}
+
+
+
+def qwen3_shape(name: str, max_len: int) -> ModelConfig:
+    return ModelConfig(**QWEN3_SHAPES[name], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=max_len,
+                       qk_norm=True, eos_token_ids=(151645,), architecture="Qwen3ForCausalLM")
+
+
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """A CausalLM of this shape with random weights, allocated directly in `dtype` on `device` (no files)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    model.rope = RotaryEmbedding(cfg).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * layer + h
+
+
+def profile_memory_needed(cfg: ModelConfig, dtype: torch.dtype, batch: int, context: int, stride: int,
+                          weights_loaded: bool) -> int:
+    """Rough bytes a profile needs: weights, the KV pool, and the largest transient tensors (logits, one layer's
+    gathered K/V and attention probabilities, the verification scores)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    length = context + stride + 1
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * batch * (length + 16)
+    rows = batch * (stride + 1)
+    logits = 3 * rows * cfg.vocab_size * 4
+    gathered = 4 * batch * length * cfg.num_kv_heads * cfg.head_dim * elem
+    probs = 3 * batch * cfg.num_heads * (stride + 1) * length * 4
+    scores = cfg.num_layers * batch * cfg.num_kv_heads * length * 4
+    weights = 0 if weights_loaded else parameter_count(cfg) * elem
+    return weights + kv + logits + gathered + probs + scores
+
+
+def memory_available(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@contextlib.contextmanager
+def time_split(model: CausalLM, device: torch.device):
+    """Seconds spent in the decoder's linear layers, in its attention modules besides their linear
+    layers (attention, RoPE, q/k norms) and in its whole forward, measured with forward hooks; each
+    timed call is bracketed by synchronisations (on a GPU a small distortion)."""
+    totals = {"linear": 0.0, "attention_module": 0.0, "attention_linear": 0.0, "forward": 0.0}
+    started: dict[int, float] = {}
+    attention_linears = {id(m) for layer in model.layers
+                         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)}
+
+    def before(module, args):
+        synchronize(device)
+        started[id(module)] = time.perf_counter()
+
+    def after(kinds):
+        def hook(module, args, output):
+            synchronize(device)
+            seconds = time.perf_counter() - started.pop(id(module))
+            for kind in kinds(module):
+                totals[kind] += seconds
+        return hook
+
+    handles = []
+    for m in model.layers.modules():
+        if isinstance(m, nn.Linear):
+            kinds = (lambda mod: ("linear", "attention_linear") if id(mod) in attention_linears else ("linear",))
+        elif m.__class__.__name__ == "Attention":
+            kinds = (lambda mod: ("attention_module",))
+        else:
+            continue
+        handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after(kinds))]
+    handles += [model.register_forward_pre_hook(before),
+                model.register_forward_hook(after(lambda mod: ("forward",)))]
+    try:
+        yield totals
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class StepProfiler:
+    """One plain, one draft and one verification step of `batch` requests that each hold `context` cached
+    positions, run through the engine's `ModelRunner` (the kernels and host work a real step uses); and the mixed
+    step of balanced batching, where one request in k + 1 verifies while the others draft."""
+
+    def __init__(self, model: CausalLM, batch: int, context: int, stride: int, device: torch.device,
+                 dtype: torch.dtype, budget_ratio: float, min_budget: int, temperature: float, seed: int = 0,
+                 cuda_graphs: bool = False, block_size: int = SpecConfig.block_size):
+        cfg = model.config
+        self.model, self.batch, self.context, self.k, self.device = model, batch, context, stride, device
+        common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget, max_batch=batch,
+                      block_size=block_size)
+        self.plain_spec = SpecConfig(method="plain", **common)
+        self.spec = SpecConfig(method="pillar", **common)
+        block = self.spec.block_size
+        per_request = -(-(context + stride + 1) // block)
+        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch * per_request, block, dtype, device)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.cache.k.normal_(generator=g)                 # [L, slots, n_kv, head_dim] random keys and values
+        self.cache.v.normal_(generator=g)
+        params = SamplingParams(temperature=temperature, max_new_tokens=stride + 2, ignore_eos=True)
+        cpu = torch.Generator().manual_seed(seed)
+        self.seqs = []
+        for b in range(batch):
+            seq = Sequence(b, torch.randint(0, cfg.vocab_size, (context,), generator=cpu).tolist(), params, seed + b)
+            seq.tokens.append(int(torch.randint(0, cfg.vocab_size, (1,), generator=cpu)))  # the pending token
+            seq.num_prefilled, seq.status, seq.row = context, Status.RUNNING, b
+            self.cache.append(b, context)
+            self.seqs.append(seq)
+        self.budget = min(self.spec.budget(context), context)
+        self.plain_runner = ModelRunner(model, self.cache, self.plain_spec, cuda_graphs)
+        self.runner = ModelRunner(model, self.cache, self.spec, cuda_graphs)
+        chosen = torch.rand(batch, cfg.num_layers, cfg.num_kv_heads, context, generator=g, device=device)
+        # critical positions: `budget` distinct random positions per (request, layer, KV head)
+        self.runner.set_selections(self.seqs, list(chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values))
+        self.bm = byte_model(model, dtype)
+
+    def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int, select: bool = False) -> float:
+        """Time one step in which the first `n_verify` requests verify `verify_tokens` tokens (a plain step: 1 token)
+        and the others draft one token."""
+        works = [Work(seq, "verify", self.context, verify_tokens) if i < n_verify else
+                 Work(seq, "draft", self.context, 1) for i, seq in enumerate(self.seqs)]
+        for w in works:
+            self.cache.append(w.seq.seq_id, w.num_tokens)
+            w.seq.num_drafts = w.num_tokens - 1 if w.kind == "verify" else 0
+        synchronize(self.device)
+        start = time.perf_counter()
+        result = runner.launch(works)
+        if result.verify_works:
+            result.fetch()
+        if select:   # what the engine does next with a verification: pick the next cycle's critical positions
+            pillar_attn.select_pillar(result.scores, [self.context] * n_verify, [self.budget] * n_verify)
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        for w in works:
+            self.cache.rollback(w.seq.seq_id, w.num_tokens)
+            w.seq.num_drafts = 0
+        return seconds
+
+    def plain(self) -> float:
+        return self._run(self.plain_runner, self.batch, 1)
+
+    def draft(self) -> float:
+        return self._run(self.runner, 0, 1)
+
+    def verify(self) -> float:
+        return self._run(self.runner, self.batch, self.k + 1, select=True)
+
+    def mixed(self) -> float:
+        return self._run(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, select=True)
+
+    def step_bytes(self) -> dict:
+        b, c = self.batch, self.context
+        n_verify = -(-b // (self.k + 1))
+        return {"plain": self.bm.step_bytes(b * (c + 1)), "draft": self.bm.step_bytes(b * (self.budget + 1)),
+                "verify": self.bm.step_bytes(b * (c + self.k + 1)),
+                "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1) + (b - n_verify) * (self.budget + 1))}
+
+    def measure(self, reps: int, warmup: int = 1, kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
+        out = {}
+        for kind in kinds:
+            fn = getattr(self, kind)
+            for _ in range(warmup):
+                fn()
+            out[kind] = statistics.median(fn() for _ in range(reps))
+        return out
+
+    def plain_breakdown(self, reps: int) -> dict:
+        """Where a plain step's time goes (means over `reps` instrumented steps), in milliseconds."""
+        with time_split(self.model, self.device) as t:
+            start = time.perf_counter()
+            for _ in range(reps):
+                self.plain()
+            total = (time.perf_counter() - start) / reps
+        t = {k: v / reps for k, v in t.items()}
+        attention = t["attention_module"] - t["attention_linear"]
+        ms = {"total": total, "linear_layers": t["linear"], "attention": attention,
+              "other_layer_ops": t["forward"] - t["linear"] - attention,
+              "lm_head_sampling_and_host": total - t["forward"]}
+        return {k: round(v * 1e3, 3) for k, v in ms.items()}
+
+
+def speedup_model(plain: float, draft: float, verify: float, k: int, accepted: float) -> float:
+    """A cycle of k drafts + 1 verification yields accepted + 1 tokens; plain yields one token per step."""
+    return (accepted + 1) * plain / (k * draft + verify)
+
+
+def balanced_speedup(plain: float, step: float, k: int, accepted: float) -> float:
+    """Balanced batching with every slot busy: each request writes accepted + 1 tokens per k + 1 steps of cost
+    `step`, against plain decoding's one token per step of cost `plain`. With `step` the measured mixed step, what
+    the engine's balanced steps give at that shape; with `step` a plain step over one block of context (the part of a
+    step that is not attention, which no step that runs the model's layers over the batch undercuts), the ceiling no
+    such drafter passes whatever its kernels: where attention is a small part of a plain step, that ceiling is near
+    (accepted + 1) / (k + 1) and no self-speculation helps."""
+    return (accepted + 1) / (k + 1) * plain / step
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        try:
+            b, c = item.lower().split("x")
+            b, c = int(b), int(c.rstrip("k")) * (1024 if c.endswith("k") else 1)
+        except ValueError:
+            raise ValueError(f"bad profile shape {item!r}: expected BATCHxCONTEXT, e.g. 8x1024 or 64x8k") from None
+        if b < 1 or c < 1:
+            raise ValueError(f"bad profile shape {item!r}: batch and context must be >= 1")
+        shapes.append((b, c))
+    return shapes
+
+
+def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype, accepted: list[float]) -> list[dict]:
+    shapes = parse_shapes(args.profile_shapes)
+    max_context = max(c for _, c in shapes) + args.stride + 2
+    floor_context = min([args.block_size] + [c for _, c in shapes])
+    results = []
+    for name in [m.strip() for m in args.profile_models.split(",") if m.strip()]:
+        if name == "model":
+            if llm is None:
+                llm = LLM(args.model, device=str(device), dtype=dtype, gguf=args.gguf)
+            model, label, loaded = llm.model, f"model ({model_label(llm.model_path)})", True
+            cfg = model.config
+        elif name in QWEN3_SHAPES:
+            model, label, loaded, cfg = None, name, False, qwen3_shape(name, max_context)
+        else:
+            raise ValueError(f"unknown profile model {name!r}: expected 'model' or one of {list(QWEN3_SHAPES)}")
+        built = False
+        floors = {}   # batch -> seconds of a plain step over one block of context at most (`balanced_speedup`)
+        for batch, context in shapes:
+            entry = {"model": label, "batch": batch, "context": context, "stride": args.stride,
+                     "dtype": str(dtype).replace("torch.", "")}
+            if context + args.stride + 1 > cfg.max_position_embeddings:
+                entry["skipped"] = f"context {context} + k + 1 exceeds the model's {cfg.max_position_embeddings}"
+            else:
+                need = profile_memory_needed(cfg, dtype, batch, context, args.stride, loaded or built)
+                have = memory_available(device)
+                if need > 0.85 * have:
+                    entry["skipped"] = (f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available on "
+                                        f"{device.type}")
+            if "skipped" in entry:
+                print(f"profile {label} {batch}x{context}: skipped: {entry['skipped']}", file=sys.stderr)
+                results.append(entry)
+                continue
+            if model is None:
+                print(f"profile: building {label} with random weights ({parameter_count(cfg) / 1e9:.2f} B "
+                      f"parameters, {entry['dtype']}) ...", file=sys.stderr)
+                model, built = random_model(cfg, device, dtype, args.seed), True
+            print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
+            prof = StepProfiler(model, batch, context, args.stride, device, dtype, args.budget_ratio,
+                                args.min_budget, args.temperature, args.seed, args.cuda_graphs, args.block_size)
+            times = prof.measure(args.profile_reps)
+            nbytes = prof.step_bytes()
+            entry["budget"] = prof.budget
+            for kind in ("plain", "draft", "verify", "mixed"):
+                entry[kind] = {"ms": round(times[kind] * 1e3, 3), "bytes": nbytes[kind],
+                               "gbs": round(nbytes[kind] / times[kind] / 1e9, 2)}
+            entry["draft_over_plain"] = round(times["draft"] / times["plain"], 3)
+            entry["verify_over_plain"] = round(times["verify"] / times["plain"], 3)
+            # A balanced step against the mean step of lock-step batching (k drafts + 1 verification over k + 1
+            # steps): the same work per request, spread differently. Above 1: balancing costs time.
+            lockstep_mean = (args.stride * times["draft"] + times["verify"]) / (args.stride + 1)
+            entry["mixed_over_lockstep_mean"] = round(times["mixed"] / lockstep_mean, 3)
+            entry["speedup_at_accepted"] = {f"{a:g}": round(speedup_model(times["plain"], times["draft"],
+                                                                          times["verify"], args.stride, a), 3)
+                                            for a in accepted}
+            if batch not in floors:
+                floor = StepProfiler(model, batch, floor_context, args.stride, device, dtype, args.budget_ratio,
+                                     args.min_budget, args.temperature, args.seed, args.cuda_graphs, args.block_size)
+                floors[batch] = floor.measure(args.profile_reps, kinds=("plain",))["plain"]
+                del floor
+            entry["plain_floor"] = {"context": floor_context, "ms": round(floors[batch] * 1e3, 3)}
+            entry["balanced_at_accepted"] = {f"{a:g}": round(balanced_speedup(times["plain"], times["mixed"],
+                                                                              args.stride, a), 3) for a in accepted}
+            entry["ceiling_at_accepted"] = {f"{a:g}": round(balanced_speedup(times["plain"], floors[batch],
+                                                                             args.stride, a), 3) for a in accepted}
+            if not args.cuda_graphs:   # a replayed graph runs no Python per module: nothing to split
+                entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
+            results.append(entry)
+            del prof
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if built:
+            del model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
