@@ -1,11 +1,13 @@
 """Configuration objects: what the model is, how to speculate, how to sample.
 
 Owns
-  * `ModelConfig`   — the decoder's shape, read from a Hugging Face `config.json` (Qwen3, or a Llama-family model,
-                      which is Qwen3 without the q/k RMSNorm). Unsupported features fail here, with a clear message.
-  * `SpecConfig`    — the speculation settings: drafting method, stride k, critical-token budget, batch policy,
-                      delayed verification (async) and the KV pool size (offload).
-  * `SamplingParams`— per-request sampling: temperature, top-k, top-p, seed, max new tokens, stop strings.
+  * `ModelConfig`    — the decoder's shape, read from a Hugging Face `config.json` (Qwen3, or a
+                       Llama-family model, which is Qwen3 without the q/k RMSNorm). Unsupported
+                       features fail here, with a clear message.
+  * `SpecConfig`     — the speculation settings: drafting method, stride k, critical-token budget,
+                       batch policy, delayed verification (async) and the KV pool size (offload).
+  * `SamplingParams` — per-request sampling: temperature, top-k, top-p, seed, max new tokens,
+                       stop strings.
 
 Must not import torch models: this file is plain data and validation, readable before anything else.
 """
@@ -16,12 +18,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}  # name -> has q/k RMSNorm
+# architecture name -> has q/k RMSNorm
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The decoder's shape and features, as read from a Hugging Face `config.json`."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +49,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        """A `ModelConfig` from a parsed `config.json`; ValueError names an unsupported feature."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and not archs:       # no architectures listed: fall back on model_type
@@ -55,36 +60,46 @@ class ModelConfig:
                              f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
         for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
             if cfg.get(key):
-                raise ValueError(f"unsupported config feature {key}={cfg[key]!r}: mixture-of-experts models are not supported")
-        sliding = cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ())
+                raise ValueError(f"unsupported config feature {key}={cfg[key]!r}: "
+                                 "mixture-of-experts models are not supported")
+        sliding = (cfg.get("use_sliding_window")
+                   or "sliding_attention" in (cfg.get("layer_types") or ()))
         if sliding or (arch == "LlamaForCausalLM" and cfg.get("sliding_window")):
-            raise ValueError(f"unsupported config feature sliding_window={cfg.get('sliding_window')!r}: "
+            raise ValueError("unsupported config feature "
+                             f"sliding_window={cfg.get('sliding_window')!r}: "
                              "only full attention is supported")
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
-                raise ValueError(f"unsupported config feature {key}=True: bias terms are not supported")
+                raise ValueError(f"unsupported config feature {key}=True: "
+                                 "bias terms are not supported")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: "
+                             "only 'silu' (SwiGLU) is supported")
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
-        if rope_scaling is not None:  # transformers 5 folds rope_theta into rope_parameters/rope_scaling
+        # transformers 5 folds rope_theta into rope_parameters/rope_scaling
+        if rope_scaling is not None:
             rope_theta = rope_scaling.get("rope_theta", rope_theta)
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected one of {SUPPORTED_ROPE_TYPES}")
-            rope_scaling = None if rope_type == "default" else {**rope_scaling, "rope_type": rope_type}
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: "
+                                 f"expected one of {SUPPORTED_ROPE_TYPES}")
+            rope_scaling = (None if rope_type == "default"
+                            else {**rope_scaling, "rope_type": rope_type})
         params = cfg.get("rope_parameters")
         if params:
             rope_theta = params.get("rope_theta", rope_theta)
             rope_type = params.get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected one of {SUPPORTED_ROPE_TYPES}")
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: "
+                                 f"expected one of {SUPPORTED_ROPE_TYPES}")
             if rope_type != "default":
                 rope_scaling = dict(params)
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -107,6 +122,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """A `ModelConfig` from `model_dir/config.json`; FileNotFoundError if it is missing."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
@@ -129,7 +145,9 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        """ValueError naming the first bad field."""
+        if (not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature))
+                or self.temperature < 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
@@ -142,38 +160,46 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when the request decodes greedily (temperature 0)."""
         return self.temperature == 0.0
 
 
 DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full", "pillar-lookup")
 BATCH_POLICIES = ("naive", "balanced")
-DEFAULT_LOOKUP_MATCHES = 8     # pillar-lookup's matches per draft step (benchmarks/drafter/README.md measured 2-16)
+DEFAULT_LOOKUP_MATCHES = 8     # pillar-lookup's matches per draft step
 
 
 @dataclass
 class SpecConfig:
     """Speculation settings shared by every request of an engine.
 
-    method       plain (no drafting: k = 0), pillar (PillarAttn critical tokens), streaming (sink + recent window),
-                 ngram (prompt lookup), full (dense drafts: the oracle that accepts everything when greedy),
-                 pillar-lookup (PillarAttn whose selection is refreshed at every draft step by token lookup)
+    method       plain (no drafting: k = 0), pillar (PillarAttn critical tokens),
+                 streaming (sink + recent window), ngram (prompt lookup),
+                 full (dense drafts: the oracle that accepts everything when greedy),
+                 pillar-lookup (PillarAttn whose selection is refreshed at every draft step by
+                 token lookup)
     stride       k, draft steps per verification
-    budget_ratio, min_budget   critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * context))
+    budget_ratio, min_budget
+                 critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * context))
     sink_tokens  sink positions kept by the streaming policy
-    lookup_matches  pillar-lookup: at each draft step the latest this-many earlier positions of the draft's input
-                 token, and the position after each, take the place of the lowest-ranked critical positions.
-                 None (default): 8, or min_budget // 2 when the budget is smaller (benchmarks/drafter: at B = 128,
-                 8 beat 2 and 4 on looping and non-looping text, and 16 was no better)
-    batch_policy naive (lock-step: all requests verify on the same step) or balanced (verifications staggered)
-    async_verify delayed verification: a request that verifies at step t sits out step t+1. Plain decoding instead
-                 runs ahead: its step t+1 starts from the token step t sampled, still on the device (`runs_ahead`)
-    kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces host offload
-    block_size   tokens per KV block (64: the paged GPU kernel's tile is at most one block, and 16 made it slower
-                 than gather + SDPA on the H200; pillar_attn.paged_attention)
-    prefill_chunk  prompt tokens per step, over all requests that are prefilling (chunked prefill). Eagerly the
-                 chunks are attended in runs of like length (runner.ModelRunner._dense_runs), so a large budget does
-                 not pad them; with CUDA graphs they are a padded static step of their own beside the step's replay
-                 (runner.ModelRunner.launch)
+    lookup_matches
+                 pillar-lookup: at each draft step the latest this-many earlier positions of the
+                 draft's input token, and the position after each, take the place of the
+                 lowest-ranked critical positions. None (default): 8, or min_budget // 2 when the
+                 budget is smaller
+    batch_policy naive (lock-step: all requests verify on the same step) or balanced
+                 (verifications staggered)
+    async_verify delayed verification: a request that verifies at step t sits out step t+1.
+                 Plain decoding instead runs ahead: its step t+1 starts from the token step t
+                 sampled, still on the device (`runs_ahead`)
+    kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces
+                 host offload
+    block_size   tokens per KV block; the paged GPU kernel's tile is at most one block
+    prefill_chunk
+                 prompt tokens per step, over all requests that are prefilling (chunked prefill).
+                 Eagerly the chunks are attended in runs of like length, so a large budget does not
+                 pad them; with CUDA graphs they are a padded static step of their own beside the
+                 step's replay
     max_batch    requests running at once
     """
     method: str = "plain"
@@ -195,6 +221,7 @@ class SpecConfig:
         self.validate()
 
     def validate(self) -> None:
+        """ValueError naming the first bad field."""
         if self.method not in DRAFT_METHODS:
             raise ValueError(f"unknown method {self.method!r}: expected one of {DRAFT_METHODS}")
         if not isinstance(self.stride, int) or self.stride < 1:
@@ -205,16 +232,20 @@ class SpecConfig:
             raise ValueError(f"min_budget must be an integer >= 1, got {self.min_budget!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if self.lookup_matches is not None and (not isinstance(self.lookup_matches, int) or self.lookup_matches < 1):
+        if self.lookup_matches is not None and (not isinstance(self.lookup_matches, int)
+                                                or self.lookup_matches < 1):
             raise ValueError(f"lookup_matches must be an integer >= 1 (or None for the default), "
                              f"got {self.lookup_matches!r}")
         if self.method == "pillar-lookup" and self.min_budget < 2 * self.num_lookups:
-            raise ValueError(f"min_budget={self.min_budget} is too small for lookup_matches={self.num_lookups}: "
+            raise ValueError(f"min_budget={self.min_budget} is too small for "
+                             f"lookup_matches={self.num_lookups}: "
                              f"pillar-lookup needs min_budget >= 2 * lookup_matches")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, "
+                             f"got {self.ngram_min!r}, {self.ngram_max!r}")
         if self.batch_policy not in BATCH_POLICIES:
-            raise ValueError(f"unknown batch_policy {self.batch_policy!r}: expected one of {BATCH_POLICIES}")
+            raise ValueError(f"unknown batch_policy {self.batch_policy!r}: "
+                             f"expected one of {BATCH_POLICIES}")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"kv_blocks must be >= 1, got {self.kv_blocks!r}")
         if self.block_size < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
@@ -223,23 +254,28 @@ class SpecConfig:
 
     @property
     def drafts_per_cycle(self) -> int:
-        """Model draft steps between two verifications (0 for plain; ngram drafts on the CPU, not with the model)."""
+        """Model draft steps between two verifications.
+
+        0 for plain, and for ngram, which drafts on the CPU rather than with the model."""
         return 0 if self.method in ("plain", "ngram") else self.stride
 
     @property
     def runs_ahead(self) -> bool:
-        """Overlapped plain decoding: with delayed verification a plain request does not sit out the step after its
-        own but decodes one position further, on the token that step sampled (fed on the device). Plain decoding
-        always commits exactly one token per step, so that position is known before the token is."""
+        """Overlapped plain decoding.
+
+        With delayed verification a plain request does not sit out the step after its own but
+        decodes one position further, on the token that step sampled (fed on the device). Plain
+        decoding always commits exactly one token per step, so that position is known before the
+        token is."""
         return self.async_verify and self.method == "plain"
 
     @property
     def num_lookups(self) -> int:
-        """pillar-lookup's matches per draft step: `lookup_matches`, or by default 8 capped at min_budget // 2."""
+        """pillar-lookup's matches per draft step: `lookup_matches`, else 8 capped at B // 2."""
         if self.lookup_matches is not None:
             return self.lookup_matches
         return max(1, min(DEFAULT_LOOKUP_MATCHES, self.min_budget // 2))
 
     def budget(self, context_len: int) -> int:
-        """Critical positions per (layer, KV head) for a request whose verified context has `context_len` tokens."""
+        """Critical positions per (layer, KV head) for a verified context of `context_len`."""
         return max(self.min_budget, math.ceil(self.budget_ratio * context_len))

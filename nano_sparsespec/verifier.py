@@ -1,37 +1,45 @@
 """Sampling and verification: from logits to the tokens a request emits.
 
 Owns
-  * `uniform(seeds, positions, salt)` — counter-based randomness. A request's random numbers depend only on its seed,
-    the sequence position of the token being decided and the purpose (a salt), never on the batch it shares or on a
-    global generator; so results are reproducible and independent of scheduling.
-  * `SamplingTensors`   — the per-row sampling parameters of a batch as tensors (temperature, top-k, top-p, seed).
-  * `probs_from_logits` — temperature, then top-k, then top-p (nucleus), renormalised; greedy rows become one-hot.
+  * `uniform(seeds, positions, salt)` — counter-based randomness. A request's random numbers
+    depend only on its seed, the sequence position of the token being decided and the purpose (a
+    salt), never on the batch it shares or on a global generator; so results are reproducible and
+    independent of scheduling.
+  * `SamplingTensors`   — the per-row sampling parameters of a batch as tensors (temperature,
+    top-k, top-p, seed).
+  * `probs_from_logits` — temperature, then top-k, then top-p (nucleus), renormalised; greedy rows
+    become one-hot.
   * `sample`            — greedy argmax or inverse-CDF sampling with one uniform per row.
-  * `verify`            — checks a request's k drafts against the target distributions of one verification step:
-    greedy prefix match (`verify_greedy`) or lossless rejection sampling (`verify_rejection`). Vocabulary of vLLM's
-    rejection sampler: drafts are *accepted*; at the first rejection a *recovered* token is sampled from the
-    residual max(0, p - q); if every draft is accepted a *bonus* token is sampled from the target's next row.
-  * `sample_drafts`, `verify_logits` — what the engine calls: logits in, tokens out (`sample` with the draft salt and
-    `verify`, behind `probs_from_logits`). `compile_sampling()` swaps in torch.compile'd versions (the fast path).
+  * `verify`            — checks a request's k drafts against the target distributions of one
+    verification step: greedy prefix match (`verify_greedy`) or lossless rejection sampling
+    (`verify_rejection`). Vocabulary of vLLM's rejection sampler: drafts are *accepted*; at the
+    first rejection a *recovered* token is sampled from the residual max(0, p - q); if every draft
+    is accepted a *bonus* token is sampled from the target's next row.
+  * `sample_drafts`, `verify_logits` — what the engine calls: logits in, tokens out (`sample` with
+    the draft salt and `verify`, behind `probs_from_logits`). `compile_sampling()` swaps in
+    torch.compile'd versions (the fast path).
 
-Must not touch the KV cache or the model. Everything is batched and device-agnostic (CPU or CUDA) with no host syncs
-(.item(), .tolist(), data-dependent Python branches) inside the functions: only shapes and host-side flags decide
-Python control flow.
+Must not touch the KV cache or the model. Everything is batched and device-agnostic (CPU or CUDA)
+with no host syncs (.item(), .tolist(), data-dependent Python branches) inside the functions: only
+shapes and host-side flags decide Python control flow.
 
 Randomness and why reusing (seed, position, salt) is sound. Each purpose has its own salt:
-  SALT_TARGET    sampling the token at a position from the target (plain decode, first token after prefill, bonus)
+  SALT_TARGET    sampling the token at a position from the target (plain decode, first token after
+                 prefill, bonus)
   SALT_DRAFT     sampling a draft token at a position
   SALT_ACCEPT    the accept test of the draft at a position
   SALT_RESIDUAL  sampling the recovered token at a position from the residual after a rejection
 Every uniform is *consumed* at most once per position, i.e. influences emitted output at most once:
-  * a position's accept test counts at most once: verification stops at the first rejection (tests computed beyond
-    it are ignored) and then decides that very position (with SALT_RESIDUAL), so it is never drafted or tested again;
+  * a position's accept test counts at most once: verification stops at the first rejection
+    (tests computed beyond it are ignored) and then decides that very position (with
+    SALT_RESIDUAL), so it is never drafted or tested again;
   * the target / residual uniform decides a position, which is then final;
-  * a position may be drafted again in a later cycle (SALT_DRAFT reused) only when its earlier draft lay behind a
-    rejection and was discarded unseen; the event "rejected earlier" depends on other uniforms only, so the reused
-    draft uniform is still a fresh, independent uniform given everything emitted so far.
-Different salts give independent streams, so e.g. the draft x ~ q and its accept test u are independent, as the
-rejection-sampling proof requires.
+  * a position may be drafted again in a later cycle (SALT_DRAFT reused) only when its earlier
+    draft lay behind a rejection and was discarded unseen; the event "rejected earlier" depends on
+    other uniforms only, so the reused draft uniform is still a fresh, independent uniform given
+    everything emitted so far.
+Different salts give independent streams, so e.g. the draft x ~ q and its accept test u are
+independent, as the rejection-sampling proof requires.
 """
 from __future__ import annotations
 
@@ -51,13 +59,14 @@ SALT_RESIDUAL = 3
 _M32 = 0xFFFFFFFF
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # counter-based randomness
 
 def _lowbias32(x):
-    """Chris Wellons' lowbias32 integer mixer, a bijection on [0, 2**32); works on Python ints and int64 tensors.
-    An int64 product of two 32-bit values may wrap past 2**63 (two's complement on every PyTorch backend); the mask
-    keeps its low 32 bits, which wrapping does not change."""
+    """Chris Wellons' lowbias32 mixer, a bijection on [0, 2**32); Python ints or int64 tensors.
+
+    An int64 product of two 32-bit values may wrap past 2**63 (two's complement on every PyTorch
+    backend); the mask keeps its low 32 bits, which wrapping does not change."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
@@ -71,46 +80,52 @@ def _salt_state(salt: int) -> int:
 
 
 def _uniform_from_state(state, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """state: int or Long tensor broadcastable with seeds/positions (a per-row salt) -> Float uniforms in (0, 1)."""
-    h = _lowbias32(state ^ (seeds & _M32))                            # low 32 bits of the seed
-    h = _lowbias32(h ^ ((seeds >> 32) & _M32))                        # high 32 bits of the seed
-    h = _lowbias32(h ^ (positions & _M32))                            # in [0, 2**32)
-    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))               # 23 bits: (i + 0.5) / 2**23, exact in float32
+    """Float uniforms in (0, 1) from a salt state and seeds, positions (broadcastable Long tensors).
+
+    `state` is an int or a Long tensor broadcastable with them (a per-row salt)."""
+    h = _lowbias32(state ^ (seeds & _M32))      # low 32 bits of the seed
+    h = _lowbias32(h ^ ((seeds >> 32) & _M32))  # high 32 bits of the seed
+    h = _lowbias32(h ^ (positions & _M32))      # in [0, 2**32)
+    # 23 bits: (i + 0.5) / 2**23, exact in float32
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
     """Uniforms in the open interval (0, 1), a pure function of (seed, position, salt), elementwise.
 
-    seeds, positions: Long[N] (or any broadcastable shapes) -> Float[N] (float32; never exactly 0 or 1).
+    seeds, positions: Long[N] (or broadcastable shapes) -> Float[N] (float32; never 0 or 1).
     """
     return _uniform_from_state(_salt_state(salt), seeds, positions)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # per-row sampling parameters
 
 @dataclass
 class SamplingTensors:
-    """Sampling parameters of N logit rows. Host-side flags let hot paths skip work without a device sync."""
-    temperature: torch.Tensor   # Float[N], 0 for greedy rows
-    top_k: torch.Tensor         # Long[N], 0 = no top-k
-    top_p: torch.Tensor         # Float[N], 1 = no top-p
-    seed: torch.Tensor          # Long[N]
-    greedy: torch.Tensor        # Bool[N]
-    use_filter: bool = True     # host flag: some row may use top-k or top-p (False: skip the sort)
-    all_greedy: bool = False    # host flag: every row is greedy (skip rejection sampling)
-    any_greedy: bool = True     # host flag: some row may be greedy (False: skip the one-hot / argmax passes)
+    """Sampling parameters of N logit rows; host flags let hot paths skip work without a sync."""
+    temperature: torch.Tensor  # Float[N], 0 for greedy rows
+    top_k: torch.Tensor        # Long[N], 0 = no top-k
+    top_p: torch.Tensor        # Float[N], 1 = no top-p
+    seed: torch.Tensor         # Long[N]
+    greedy: torch.Tensor       # Bool[N]
+    use_filter: bool = True    # host flag: some row may use top-k or top-p (False: skip the sort)
+    all_greedy: bool = False   # host flag: every row is greedy (skip rejection sampling)
+    any_greedy: bool = True    # host flag: some row may be greedy (False: skip one-hot / argmax)
 
     @classmethod
-    def from_params(cls, params_list: list[SamplingParams], seeds: list[int], device=None) -> "SamplingTensors":
-        """One row per request. `seeds` are the resolved per-request seeds (any Python ints; reduced mod 2**64)."""
+    def from_params(cls, params_list: list[SamplingParams], seeds: list[int],
+                    device=None) -> "SamplingTensors":
+        """One row per request; `seeds`: the resolved seeds (any ints, reduced mod 2**64)."""
         if len(seeds) != len(params_list):
             raise ValueError(f"got {len(seeds)} seeds for {len(params_list)} sampling params")
         if any(not isinstance(s, int) for s in seeds):
-            raise ValueError(f"seeds must be ints (resolve seed=None before sampling), got {seeds!r}")
+            raise ValueError(f"seeds must be ints (resolve seed=None before sampling), "
+                             f"got {seeds!r}")
         greedy = [p.greedy for p in params_list]
         return cls(
-            temperature=to_device([0.0 if g else float(p.temperature) for g, p in zip(greedy, params_list)],
+            temperature=to_device([0.0 if g else float(p.temperature)
+                                   for g, p in zip(greedy, params_list)],
                                   torch.float32, device),
             top_k=to_device([p.top_k for p in params_list], torch.long, device),
             top_p=to_device([float(p.top_p) for p in params_list], torch.float32, device),
@@ -123,64 +138,72 @@ class SamplingTensors:
     def host_flags(params_list: list[SamplingParams]) -> dict:
         """use_filter / all_greedy / any_greedy of rows holding these params."""
         greedy = [p.greedy for p in params_list]
-        return dict(use_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params_list if not p.greedy),
+        return dict(use_filter=any(p.top_k > 0 or p.top_p < 1.0
+                                   for p in params_list if not p.greedy),
                     all_greedy=all(greedy), any_greedy=any(greedy))
 
     def per_position(self) -> "SamplingTensors":
-        """The same rows viewed [N, 1], to broadcast over each request's K + 1 logit rows [N, K + 1, V]."""
-        return SamplingTensors(self.temperature[:, None], self.top_k[:, None], self.top_p[:, None],
-                               self.seed[:, None], self.greedy[:, None], self.use_filter, self.all_greedy,
-                               self.any_greedy)
+        """The same rows viewed [N, 1], to broadcast over each request's logits [N, K + 1, V]."""
+        return SamplingTensors(self.temperature[:, None], self.top_k[:, None],
+                               self.top_p[:, None], self.seed[:, None], self.greedy[:, None],
+                               self.use_filter, self.all_greedy, self.any_greedy)
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
-        """Select / repeat rows: index Long[M] -> SamplingTensors of M rows (e.g. one row per logit row; the engine
-        broadcasts a request's row over its K + 1 logit rows instead: `per_position`)."""
-        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
-                               self.greedy[index], self.use_filter, self.all_greedy, self.any_greedy)
+        """Select / repeat rows: index Long[M] -> SamplingTensors of M rows."""
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
+                               self.seed[index], self.greedy[index], self.use_filter,
+                               self.all_greedy, self.any_greedy)
 
     def select(self, index: torch.Tensor, flags: dict) -> "SamplingTensors":
-        """Rows `index` Long[M] of a table of per-request rows, with `flags` = `host_flags` of the params of the
-        requests they hold, so rows of other requests in the table do not change them."""
+        """Rows `index` Long[M] of a table of per-request rows, with host `flags` of just those.
+
+        `flags` is `host_flags` of the selected requests' params, so that other rows of the table
+        do not change them."""
         return replace(self.rows(index), **flags)
 
     def __len__(self) -> int:
+        """Number of rows N."""
         return self.seed.shape[0]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # logits -> probabilities -> tokens
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set filtered-out logits to -inf. logits Float[..., V], top_k Long[...], top_p Float[...] -> Float[..., V].
+    """Set filtered-out logits to -inf.
 
-    top-k keeps exactly k tokens (ties broken towards the lower index, like argmax); top-p then keeps the smallest
-    prefix of the sorted distribution whose mass is >= top_p (the top token always survives).
+    logits Float[..., V], top_k Long[...], top_p Float[...] -> Float[..., V].
+    top-k keeps exactly k tokens (ties broken towards the lower index, like argmax); top-p then
+    keeps the smallest prefix of the sorted distribution whose mass is >= top_p (the top token
+    always survives).
     """
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [..., V]
     rank = torch.arange(V, device=logits.device)                              # [V]
     k = torch.where(top_k > 0, top_k, V)                                      # [...]
     sorted_logits = sorted_logits.masked_fill(rank >= k[..., None], float("-inf"))
-    probs = sorted_logits.softmax(-1)                                         # [..., V]
-    mass_before = _cdf(probs) - probs                                         # [..., V] exclusive prefix mass
-    drop = (mass_before >= top_p[..., None]) & (top_p[..., None] < 1.0)       # top_p == 1: keep all despite rounding
+    probs = sorted_logits.softmax(-1)  # [..., V]
+    mass_before = _cdf(probs) - probs  # [..., V] exclusive prefix mass
+    # top_p == 1: keep all despite rounding
+    drop = (mass_before >= top_p[..., None]) & (top_p[..., None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits Float[..., V] (any float dtype), st fields of shape [...] (or broadcastable: `per_position`)
-    -> probs Float[..., V] (float32); greedy rows one-hot at torch.argmax."""
-    logits = logits.float()                                                   # [..., V]
-    if st.all_greedy:                                                         # cheap path: no softmax
+    """logits Float[..., V] (any float dtype) -> probs Float[..., V] (float32).
+
+    `st` fields have shape [...] (or broadcast: `per_position`); greedy rows one-hot at argmax."""
+    logits = logits.float()  # [..., V]
+    if st.all_greedy:        # cheap path: no softmax
         return _one_hot_argmax(logits)
-    greedy_probs = _one_hot_argmax(logits) if st.any_greedy else None         # [..., V] for the greedy rows
-    temperature = torch.where(st.greedy, 1.0, st.temperature)                 # [...], avoid 0-division on greedy rows
-    logits = logits / temperature[..., None]                                  # [..., V]
+    greedy_probs = _one_hot_argmax(logits) if st.any_greedy else None  # [..., V] greedy rows
+    temperature = torch.where(st.greedy, 1.0, st.temperature)  # [...], no 0-division on greedy
+    logits = logits / temperature[..., None]  # [..., V]
     if st.use_filter:
         logits = _top_k_top_p(logits, st.top_k, st.top_p)
-    probs = logits.softmax(-1)                                                # [..., V]
-    if greedy_probs is None:                                                  # every row samples: no one-hot pass
+    probs = logits.softmax(-1)  # [..., V]
+    if greedy_probs is None:    # every row samples: no one-hot pass
         return probs
     return torch.where(st.greedy[..., None], greedy_probs, probs)
 
@@ -192,9 +215,10 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("nano_sparsespec::cdf", mutates_args=())
 def _cdf(probs: torch.Tensor) -> torch.Tensor:
-    """probs.cumsum(-1), wrapped as an opaque operator so that `compile_sampling`'s graphs call it as one kernel and
-    fuse nothing into it: torch 2.11's Triton backend failed to fuse this scan with the softmax before it or the
-    reductions after it (benchmarks/h200/session9/probe_compile2.py)."""
+    """probs.cumsum(-1): [..., V] -> [..., V], as an opaque operator.
+
+    Compiled graphs call it as one kernel and fuse nothing into it: torch's Triton backend failed
+    to fuse this scan with the softmax before it or the reductions after it."""
     return probs.cumsum(-1)
 
 
@@ -204,18 +228,20 @@ def _(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Sample one token per row: probs Float[N, V] (non-negative, need not sum to 1), u Float[N] in (0,1) -> Long[N]."""
-    cdf = _cdf(probs)                                                         # [N, V]
-    target = (u * cdf[:, -1])[:, None]                                        # [N, 1], < total since u < 1
-    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)          # first i with cdf[i] > target
-    token = token.clamp_max(probs.shape[-1] - 1)                              # guard: rounding at the top end
+    """One token per row: probs Float[N, V] (>= 0, any sum), u Float[N] in (0, 1) -> Long[N]."""
+    cdf = _cdf(probs)                             # [N, V]
+    target = (u * cdf[:, -1])[:, None]            # [N, 1], < total since u < 1
+    # first i with cdf[i] > target
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    token = token.clamp_max(probs.shape[-1] - 1)  # guard: rounding at the top end
     # guard: a (parallel) cumsum that is not exactly monotone could land on a zero-probability token
     ok = probs.gather(-1, token[:, None]).squeeze(-1) > 0
     return torch.where(ok, token, probs.argmax(-1))
 
 
-def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, salt: int) -> torch.Tensor:
-    """probs Float[N, V], positions Long[N] (position of the token being sampled) -> tokens Long[N]."""
+def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
+           salt: int) -> torch.Tensor:
+    """probs Float[N, V], positions Long[N] (of the tokens being sampled) -> tokens Long[N]."""
     if st.all_greedy:
         return probs.argmax(-1)
     u = uniform(st.seed, positions, salt)                                     # [N]
@@ -224,18 +250,18 @@ def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, sa
     return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # verification
 
 @dataclass
 class VerifyResult:
-    """Per request b: it emits draft_tokens[b, :num_accepted[b]] followed by next_token[b] (num_accepted + 1 tokens).
+    """Per request b: it emits draft_tokens[b, :num_accepted[b]], then next_token[b].
 
     Counts: accepted = num_accepted, recovered = (~is_bonus) rows, bonus = is_bonus rows.
     """
     num_accepted: torch.Tensor  # Long[B], 0..num_drafts
-    next_token: torch.Tensor    # Long[B], recovered token (after a rejection) or bonus token (all accepted)
-    is_bonus: torch.Tensor      # Bool[B], every draft accepted (also, vacuously, rows with num_drafts == 0)
+    next_token: torch.Tensor    # Long[B], recovered (after a rejection) or bonus (all accepted)
+    is_bonus: torch.Tensor      # Bool[B], every draft accepted (vacuously when num_drafts == 0)
 
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -244,47 +270,55 @@ def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
 
 
 def verify_greedy(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor):
-    """Accept the longest prefix where draft == target argmax, then emit the target argmax that follows.
+    """Accept the longest prefix where draft == target argmax, then emit the argmax that follows.
 
-    target_probs Float[B, K+1, V], draft_tokens Long[B, K], num_drafts Long[B] -> (num_accepted Long[B], token Long[B])
+    target_probs Float[B, K+1, V], draft_tokens Long[B, K], num_drafts Long[B]
+    -> (num_accepted Long[B], token Long[B])
     """
     K = draft_tokens.shape[1]
-    target = target_probs.argmax(-1)                                          # [B, K+1]
-    valid = torch.arange(K, device=draft_tokens.device) < num_drafts[:, None]   # [B, K], False on padding
-    n = _accepted_prefix((draft_tokens == target[:, :K]) & valid)             # [B]
+    target = target_probs.argmax(-1)                               # [B, K+1]
+    # [B, K], False on padding
+    valid = torch.arange(K, device=draft_tokens.device) < num_drafts[:, None]
+    n = _accepted_prefix((draft_tokens == target[:, :K]) & valid)  # [B]
     return n, target.gather(1, n[:, None]).squeeze(1)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalize(max(0, p - q)): p, q Float[B, V] -> Float[B, V]. Falls back to p where the residual is all zero
-    (reachable only through rounding, when p == q and yet a rejection happened)."""
+    """normalize(max(0, p - q)): p, q Float[B, V] -> Float[B, V].
+
+    Falls back to p where the residual is all zero (reachable only through rounding, when p == q
+    and yet a rejection happened)."""
     r = (p - q).clamp_min(0.0)                                                # [B, V]
     mass = r.sum(-1, keepdim=True)                                            # [B, 1]
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
 def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, first_position):
-    """Lossless rejection sampling (Leviathan et al. / Chen et al.): the emitted tokens are distributed exactly as
-    sampling from the target, whatever the draft distribution q.
+    """Lossless rejection sampling (Leviathan et al. / Chen et al.).
 
-    target_probs Float[B, K+1, V] (p), draft_tokens Long[B, K] (x), draft_probs Float[B, K, V] (q) or None (q one-hot
-    at x), num_drafts Long[B], seed Long[B], first_position Long[B] -> (num_accepted Long[B], token Long[B])
+    The emitted tokens are distributed exactly as sampling from the target, whatever the draft
+    distribution q.
+    target_probs Float[B, K+1, V] (p), draft_tokens Long[B, K] (x), draft_probs Float[B, K, V]
+    (q) or None (q one-hot at x), num_drafts Long[B], seed Long[B], first_position Long[B]
+    -> (num_accepted Long[B], token Long[B])
     """
     B, K1, V = target_probs.shape
     K = K1 - 1
-    j = torch.arange(K, device=draft_tokens.device)                           # [K]
-    valid = j < num_drafts[:, None]                                           # [B, K]
-    x = torch.where(valid, draft_tokens, 0)                                   # [B, K], padding -> a safe index
-    p_x = target_probs[:, :K].gather(-1, x[..., None]).squeeze(-1)            # [B, K]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, x[..., None]).squeeze(-1)
-    u = uniform(seed[:, None], first_position[:, None] + j, SALT_ACCEPT)      # [B, K]
-    accept = (u * q_x < p_x) & valid                                          # P(accept) = min(1, p(x) / q(x))
-    n = _accepted_prefix(accept)                                              # [B]
-    is_bonus = n == num_drafts                                                # [B]
+    j = torch.arange(K, device=draft_tokens.device)  # [K]
+    valid = j < num_drafts[:, None]                  # [B, K]
+    x = torch.where(valid, draft_tokens, 0)          # [B, K], padding -> a safe index
+    p_x = target_probs[:, :K].gather(-1, x[..., None]).squeeze(-1)   # [B, K]
+    q_x = (torch.ones_like(p_x) if draft_probs is None
+           else draft_probs.gather(-1, x[..., None]).squeeze(-1))
+    u = uniform(seed[:, None], first_position[:, None] + j, SALT_ACCEPT)   # [B, K]
+    accept = (u * q_x < p_x) & valid  # P(accept) = min(1, p(x) / q(x))
+    n = _accepted_prefix(accept)      # [B]
+    is_bonus = n == num_drafts        # [B]
 
-    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V] target at the decided row
+    # [B, V]: the target at the decided row
+    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)
     if K > 0:
-        i = n.clamp_max(K - 1)[:, None]                                       # [B, 1] rejected row (junk if bonus)
+        i = n.clamp_max(K - 1)[:, None]  # [B, 1] rejected row (junk if bonus)
         if draft_probs is None:
             q_n = torch.zeros_like(p_n).scatter_(1, x.gather(1, i), 1.0)      # [B, V] one-hot draft
         else:
@@ -292,75 +326,86 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
         dist = torch.where(is_bonus[:, None], p_n, residual_distribution(p_n, q_n))
     else:
         dist = p_n
-    pos = first_position + n                                                  # [B] position of the next token
-    state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))   # [B] per-row salt
-    u_next = _uniform_from_state(state, seed, pos)                             # [B]
+    pos = first_position + n                        # [B] position of the next token
+    # [B] per-row salt
+    state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))
+    u_next = _uniform_from_state(state, seed, pos)  # [B]
     return n, _inverse_cdf(dist, u_next)
 
 
-def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-           num_drafts: torch.Tensor, st: SamplingTensors, first_position: torch.Tensor) -> VerifyResult:
+def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+           draft_probs: torch.Tensor | None, num_drafts: torch.Tensor, st: SamplingTensors,
+           first_position: torch.Tensor) -> VerifyResult:
     """Verify a batch of requests with a variable number of (right-padded) drafts each.
 
-    target_probs   Float[B, K+1, V]  row j: target distribution of the token at position first_position + j
-    draft_tokens   Long[B, K]        draft proposed for position first_position + j; ignored beyond num_drafts[b]
-    draft_probs    Float[B, K, V]    the distribution each draft was sampled from, or None for deterministic drafts
-                                     (greedy or n-gram: q is one-hot at the draft token)
+    target_probs   Float[B, K+1, V]  row j: target distribution of the token at first_position + j
+    draft_tokens   Long[B, K]        draft proposed for first_position + j; ignored beyond
+                                     num_drafts[b]
+    draft_probs    Float[B, K, V]    the distribution each draft was sampled from, or None for
+                                     deterministic drafts (greedy or n-gram: q one-hot at the draft)
     num_drafts     Long[B]           0..K (0: a plain decode step, sampling the target at row 0)
     st             one row per request; first_position Long[B]
     """
-    if draft_tokens.shape[1] == 0:   # no drafts in the batch (plain decoding, first tokens): sampling the target row
-        token = sample(target_probs[:, 0], st, first_position, SALT_TARGET)   # (what rejection sampling reduces to)
+    # no drafts in the batch (plain decoding, first tokens): sample the target row, which is what
+    # rejection sampling reduces to
+    if draft_tokens.shape[1] == 0:
+        token = sample(target_probs[:, 0], st, first_position, SALT_TARGET)
         return VerifyResult(num_accepted=torch.zeros_like(token), next_token=token,
                             is_bonus=torch.ones_like(token, dtype=torch.bool))
     if st.all_greedy:
         n, token = verify_greedy(target_probs, draft_tokens, num_drafts)
     else:
-        n, token = verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, st.seed, first_position)
+        n, token = verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, st.seed,
+                                    first_position)
         if st.any_greedy:
             n_g, token_g = verify_greedy(target_probs, draft_tokens, num_drafts)
             n, token = torch.where(st.greedy, n_g, n), torch.where(st.greedy, token_g, token)
     return VerifyResult(num_accepted=n, next_token=token, is_bonus=n == num_drafts)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # logits in, tokens out: what the engine calls
 
 def _sample_drafts(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor):
     probs = probs_from_logits(logits, st)
-    return probs, sample(probs, st, positions, SALT_DRAFT)   # (a constant: a salt argument would be compiled as a
-                                                             # symbolic int, and torch 2.13 then mistyped the hash)
+    # the salt is a constant: as an argument it would be compiled as a symbolic int, and torch
+    # then mistyped the hash
+    return probs, sample(probs, st, positions, SALT_DRAFT)
 
 
 def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_position):
-    out = verify(probs_from_logits(logits, st.per_position()), draft_tokens, draft_probs, num_drafts, st,
-                 first_position)
+    out = verify(probs_from_logits(logits, st.per_position()), draft_tokens, draft_probs,
+                 num_drafts, st, first_position)
     return out.num_accepted, out.next_token, out.is_bonus
 
 
-# Eager, sampling or verifying one step is dozens of small kernels (the hash alone is ~35 elementwise ones), each
-# launched from Python: on the GPU their launches cost more host time than their work. `compile_sampling()` fuses
-# them into a few (the hash's integer ops stay bit-identical; softmax and sums within float rounding).
+# Eager, sampling or verifying one step is dozens of small kernels, each launched from Python: on
+# the GPU their launches cost more host time than their work. `compile_sampling()` fuses them into
+# a few (the hash's integer ops stay bit-identical; softmax and sums within float rounding).
 _fused = {"drafts": _sample_drafts, "verify": _verify_logits}
 
 
 def compile_sampling() -> None:
+    """Swap in torch.compile'd (fused) draft sampling and verification."""
     _fused["drafts"] = torch.compile(_sample_drafts, dynamic=True)
     _fused["verify"] = torch.compile(_verify_logits, dynamic=True)
 
 
 def use_eager_sampling() -> None:
+    """Restore the eager reference draft sampling and verification."""
     _fused.update(drafts=_sample_drafts, verify=_verify_logits)
 
 
 def sample_drafts(logits: torch.Tensor, st: SamplingTensors,
                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft tokens: logits Float[N, V], positions Long[N] (where each draft goes) -> probs Float[N, V] (the draft
-    distributions q), tokens Long[N]."""
+    """Draft tokens: logits Float[N, V], positions Long[N] (where each draft goes)
+    -> (probs Float[N, V]: the draft distributions q, tokens Long[N])."""
     return _fused["drafts"](logits, st, positions)
 
 
-def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                  num_drafts: torch.Tensor, st: SamplingTensors, first_position: torch.Tensor) -> VerifyResult:
-    """`verify` from the target's logits Float[B, K+1, V] (st: one row per request, as for `verify`)."""
-    return VerifyResult(*_fused["verify"](logits, draft_tokens, draft_probs, num_drafts, st, first_position))
+def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor,
+                  draft_probs: torch.Tensor | None, num_drafts: torch.Tensor, st: SamplingTensors,
+                  first_position: torch.Tensor) -> VerifyResult:
+    """`verify` from the target's logits Float[B, K+1, V] (st: one row per request)."""
+    return VerifyResult(*_fused["verify"](logits, draft_tokens, draft_probs, num_drafts, st,
+                                          first_position))

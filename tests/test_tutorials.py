@@ -52,6 +52,15 @@ def test_tutorial_runs_in_quick_mode(name, embedded_tokenizer):
     assert TUTORIALS[name] in done.stdout, done.stdout[-3000:]
 
 
+@pytest.mark.parametrize("name", [*TUTORIALS, "check"])
+def test_tutorial_runs_as_a_file(name):
+    """`python tutorials/NN_name.py` works too: the script puts the repository root on the path."""
+    done = subprocess.run([sys.executable, str(ROOT / "tutorials" / f"{name}.py"), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-3000:]}"
+    assert "usage:" in done.stdout
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # planted wrong implementations, one namespace per mistake
 

@@ -2,6 +2,7 @@
 
     python -m tutorials.00_memory_bound            # about a minute on a laptop CPU
     python -m tutorials.00_memory_bound --quick    # seconds, tiny random model
+    python tutorials/00_memory_bound.py --quick    # the same, run as a file
 
 A decode step turns one new token per request into logits. To do it, the step must read every weight of the model
 once (whatever the batch size) and, for every request, the K and V of every position it attends to. This script
@@ -50,6 +51,12 @@ Next: tutorial 01 lets the model draft for itself.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import statistics
 import time
 
@@ -57,8 +64,8 @@ import torch
 
 from nano_sparsespec import SamplingParams
 
-from ._common import load_llm, parser, random_prompt, save_plot, section, start, table, watch_steps, with_spec
-from ._roofline import GB, GPUS, QWEN3_8B, flops_per_step, kv_bytes_per_token, roofline_ms, weight_bytes_per_step
+from tutorials._common import load_llm, parser, random_prompt, save_plot, section, start, table, watch_steps, with_spec
+from tutorials._roofline import GB, GPUS, QWEN3_8B, flops_per_step, kv_bytes_per_token, roofline_ms, weight_bytes_per_step
 
 # ----------------------------------------------------------------------------------------------------------------------
 # this machine

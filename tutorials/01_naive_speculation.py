@@ -2,6 +2,7 @@
 
     python -m tutorials.01_naive_speculation            # under a minute on a laptop CPU
     python -m tutorials.01_naive_speculation --quick    # seconds, tiny random model
+    python tutorials/01_naive_speculation.py --quick    # the same, run as a file
 
 Speculative decoding writes several tokens per expensive step: a cheap *drafter* proposes k tokens one at a time,
 then one *verification* step runs the target model over all k at once and keeps the longest prefix it agrees with.
@@ -52,12 +53,18 @@ Next: tutorial 02 lets the model choose the positions its drafts attend to.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import time
 
 from nano_sparsespec import SamplingParams
 
-from ._common import PROMPT, load_llm, parser, section, start, table, with_spec
-from ._roofline import step_ms
+from tutorials._common import PROMPT, load_llm, parser, section, start, table, with_spec
+from tutorials._roofline import step_ms
 
 
 def generate(llm, ids, params, **spec):

@@ -2,6 +2,7 @@
 
     python -m tutorials.02_pillar_attn            # about two minutes on a laptop CPU
     python -m tutorials.02_pillar_attn --quick    # seconds, tiny random model
+    python tutorials/02_pillar_attn.py --quick    # the same, run as a file
 
 A sparse drafter is only as good as the positions it attends to. StreamingLLM keeps a fixed window: the first tokens
 (attention "sinks") and the most recent ones. PillarAttn lets the model choose: a verification step computes full
@@ -55,13 +56,19 @@ Next: tutorial 03 runs many requests at once and staggers their verifications.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from contextlib import contextmanager
 
 import torch
 
 from nano_sparsespec import SamplingParams, pillar_attn
 
-from ._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
+from tutorials._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
     python -m tutorials.03_unified_batching            # under a minute on a laptop CPU
     python -m tutorials.03_unified_batching --quick    # seconds, tiny random model
+    python tutorials/03_unified_batching.py --quick    # the same, run as a file
 
 With one request, speculation alternates k cheap draft steps and one verification. With a batch, how those phases
 line up decides what each step carries. The *naive* policy runs the requests in lock-step: everyone drafts together
@@ -46,14 +47,20 @@ Next: tutorial 04 overlaps the host's bookkeeping with the device's work.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import statistics
 import time
 
 from nano_sparsespec import SamplingParams
 
-from ._common import (SHORT_PROMPTS, bar, load_llm, parser, save_plot, section, start, table, timeline, watch_steps,
+from tutorials._common import (SHORT_PROMPTS, bar, load_llm, parser, save_plot, section, start, table, timeline, watch_steps,
                       with_spec)
-from ._roofline import step_ms
+from tutorials._roofline import step_ms
 
 
 def cycle_ms(policy: str, batch: int, context: int, k: int, ratio: float = 0.05) -> float:

@@ -2,6 +2,7 @@
 
     python -m tutorials.04_delayed_verification            # under a minute on a laptop CPU
     python -m tutorials.04_delayed_verification --quick    # seconds, tiny random model
+    python tutorials/04_delayed_verification.py --quick    # the same, run as a file
 
 Every step ends with host work: copy the verification results back, commit the accepted tokens, roll back the KV of
 rejected drafts, pick the next critical positions. In a synchronous loop the device waits while the host works.
@@ -56,12 +57,18 @@ Next: tutorial 05 bounds the KV pool and spills whole requests to host memory.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import statistics
 import time
 
 from nano_sparsespec import SamplingParams
 
-from ._common import SHORT_PROMPTS, load_llm, parser, save_plot, section, start, table, timeline, watch_steps, with_spec
+from tutorials._common import SHORT_PROMPTS, load_llm, parser, save_plot, section, start, table, timeline, watch_steps, with_spec
 
 LOOPS = """\
   sync : for t = 0, 1, ...:  works = schedule(t);  result = launch(works);  process(result)

@@ -2,6 +2,7 @@
 
     python -m tutorials.05_dynamic_kv_cache            # under a minute on a laptop CPU
     python -m tutorials.05_dynamic_kv_cache --quick    # seconds, tiny random model
+    python tutorials/05_dynamic_kv_cache.py --quick    # the same, run as a file
 
 The KV cache is paged: the device pool is a set of blocks of `block_size` tokens and each request owns a block
 table, so requests grow and shrink without moving anyone else's KV. A reasoning request's final length is unknown,
@@ -38,6 +39,12 @@ Next: tutorial 06 puts it all together with the command line and the benchmark.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import time
 
 import torch
@@ -45,9 +52,9 @@ import torch
 from nano_sparsespec import SamplingParams
 from nano_sparsespec.kv_cache import KVCache
 
-from ._common import (SHORT_PROMPTS, load_llm, parser, save_plot, section, start, table, timeline, watch_steps,
+from tutorials._common import (SHORT_PROMPTS, load_llm, parser, save_plot, section, start, table, timeline, watch_steps,
                       with_spec)
-from ._roofline import GB, H200, QWEN3_8B, kv_bytes_per_token, weight_bytes_per_step
+from tutorials._roofline import GB, H200, QWEN3_8B, kv_bytes_per_token, weight_bytes_per_step
 
 
 def show(cache: KVCache, what: str) -> None:

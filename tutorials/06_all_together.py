@@ -2,6 +2,7 @@
 
     python -m tutorials.06_all_together            # about two minutes on a laptop CPU
     python -m tutorials.06_all_together --quick    # seconds, tiny random model
+    python tutorials/06_all_together.py --quick    # the same, run as a file
 
 The previous tutorials took SparseSpec apart; this one runs it the way a user does, through the two command-line
 tools, and says how to read their numbers and where to run them for real. Numbers from one default run on a shared
@@ -51,15 +52,20 @@ With --quick the CLI and the benchmark run on a tiny random model (8 tokens; the
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import importlib.util
 import json
 import os
 import shlex
 import subprocess
-import sys
 
-from ._common import SHORT_PROMPTS, parser, section, start, table, tiny_model_dir
-from ._roofline import GB, H200, QWEN3_8B, kv_bytes_per_token, weight_bytes_per_step
+from tutorials._common import SHORT_PROMPTS, parser, section, start, table, tiny_model_dir
+from tutorials._roofline import GB, H200, QWEN3_8B, kv_bytes_per_token, weight_bytes_per_step
 
 STATS = {   # what the --json "stats" fields mean
     "output_tokens": "tokens written, all requests",

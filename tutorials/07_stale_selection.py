@@ -2,6 +2,7 @@
 
     python -m tutorials.07_stale_selection            # about two minutes on a laptop CPU
     python -m tutorials.07_stale_selection --quick    # seconds, tiny random model
+    python tutorials/07_stale_selection.py --quick    # the same, run as a file
 
 PillarAttn picks a request's critical positions once per cycle, from the attention of the verification, and the
 next k drafts attend to that selection plus the tokens written since. Draft j's query is j tokens further on than
@@ -34,7 +35,7 @@ heads. Rows of rejected drafts are left out: their tokens are not in the text. N
    max instead of mean over rows and heads 64%; only the rows of tokens that stay (dropping the rejected drafts'
    rows) 35%, worse, because the rejected drafts' rows are the queries nearest to the next cycle's drafts; a quarter
    of the budget pinned to 4 sinks + the most recent positions 57%. A proxy, not acceptance: in the full ablation
-   only lookup raised acceptance by more than the noise, and dropping rows lowered it (benchmarks/drafter).
+   only lookup raised acceptance by more than the noise, and dropping rows lowered it.
 
 4. Acceptance on this one prompt (drafts accepted per verification, of 8): pillar 3.13, pillar-lookup with m = 2:
    4.59, m = 4: 3.95, and the default m = 8: 3.95. One prompt and 96 tokens are too few to rank m; at 4 prompts x
@@ -45,15 +46,21 @@ With matplotlib: tutorials/out/07_stale_selection.png, the attention mass seen a
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from contextlib import contextmanager
 
 import torch
 
 from nano_sparsespec import SamplingParams, pillar_attn
 
-from ._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
+from tutorials._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
 
-# The drafter this tutorial ends with (benchmarks/drafter/README.md measured it against the others).
+# The drafter this tutorial ends with.
 FINAL = dict(method="pillar-lookup")
 
 

@@ -4,10 +4,14 @@ Exit status 0 when every check passes, 1 when one fails or the exercise is not w
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import sys
 from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: put the repository root on the import path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import importlib
 
 import torch
 
