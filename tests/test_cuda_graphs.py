@@ -106,6 +106,8 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
         splits.append(block_mask.kv_num_blocks.shape[0] // q_index.shape[0])            # chunks per context
         kernels.paged_dense(out, q, q_index, k_layer, v_layer, block_mask)
     monkeypatch.setitem(attention._kernels, "paged", counted)
+    monkeypatch.setitem(attention._kernels, "prepare", kernels.paged_prepare)
+    monkeypatch.setitem(attention._kernels, "finish", kernels.paged_finish)
     _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
     _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
                        budget_ratio=0.1, batch_policy="balanced", async_verify=True, kv_blocks=12, block_size=16,
