@@ -65,7 +65,8 @@ import torch
 from nano_sparsespec import SamplingParams
 
 from tutorials._common import StepLog, load_llm, parser, random_prompt, save_plot, section, start, table, with_spec
-from tutorials._roofline import GB, GPUS, QWEN3_8B, flops_per_step, kv_bytes_per_token, roofline_ms, weight_bytes_per_step
+from tutorials._roofline import (GB, GPUS, QWEN3_8B, flops_per_step, kv_bytes_per_token, roofline_ms,
+                                 weight_bytes_per_step)
 
 # ----------------------------------------------------------------------------------------------------------------------
 # this machine

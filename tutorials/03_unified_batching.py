@@ -12,7 +12,8 @@ prefill ends, the least loaded one (`batch_policy="balanced"`), so each step mix
 with drafts and every step carries the same load. Exercise 4 asks you to write that slot choice.
 
 The script runs 8 short prompts (38-48 tokens), 40 new tokens each, method='pillar', k = 4, under both policies and
-records every step with a `StepLog`, the engine's `on_step` callback. Numbers from one default run on a shared 2-core cloud VM:
+records every step with a `StepLog` (the engine's `on_step` callback). Numbers from one default run on a shared
+2-core cloud VM:
 
 1. Who does what at each step: one row per request, P prefill, D draft, V verify. Naive: the V's form a column
    every 5 steps. Balanced: they form diagonals, one or two per step.
