@@ -174,3 +174,74 @@ def test_check_command():
     stub = subprocess.run([sys.executable, "-m", "tutorials.check", "1"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert stub.returncode == 1 and "not written yet" in stub.stdout, stub.stdout + stub.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the tutorials watch the engine only through what it offers
+
+def _imported_names(tree) -> set[str]:
+    """Names a file binds by import: modules and whatever it takes from them (classes, functions)."""
+    import ast
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tutorials").rglob("*.py")))
+def test_tutorials_never_assign_to_a_module_or_class_attribute(path):
+    """No `module.f = ...`, `Class.method = ...` or setattr on them: tutorials observe through callbacks and hooks."""
+    import ast
+    tree = ast.parse((ROOT / path).read_text())
+    imported = _imported_names(tree)
+
+    def root(node):
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def targets(node):
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for element in node.elts:
+                yield from targets(element)
+        else:
+            yield node
+
+    bad = []
+    for node in ast.walk(tree):
+        assigned = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in (t for a in assigned for t in targets(a)):
+            if isinstance(target, ast.Attribute) and root(target) in imported:
+                bad.append(f"line {node.lineno}: {ast.unparse(target)} = ...")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and root(node.args[0]) in imported:
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not bad, f"{path} assigns to another module's or class's attribute:\n" + "\n".join(bad)
+
+
+def _event(step, works, running, offloaded=()):
+    from nano_sparsespec.async_loop import StepEvent
+    return StepEvent(step, works, list(running), list(offloaded), started=float(step), launch_seconds=0.5,
+                     kv_positions=0)
+
+
+def test_step_log_records_the_engine_steps_and_fills_steps_that_launched_nothing():
+    """`StepLog.record` as on_step: letters per request, and a gap in the step numbers (delayed verification, every
+    request waiting for a result) becomes a step where the requests that verified just before stall."""
+    from nano_sparsespec import SamplingParams
+    from nano_sparsespec.scheduler import Sequence, Work
+    from tutorials._common import StepLog
+
+    a, b, c = (Sequence(i, [1, 2, 3], SamplingParams(), 0) for i in range(3))
+    log = StepLog()
+    b.results_in_flight = 1                            # b's verification of step 0 is still in flight at step 1
+    log.record(_event(0, [Work(a, "verify", 3, 2), Work(b, "verify", 3, 2)], [a, b], [c]))
+    log.record(_event(2, [Work(a, "draft", 5, 1)], [a, b], [c]))      # step 1 launched nothing
+    assert [s.index for s in log.steps] == [0, 1, 2]
+    assert log.steps[0].actions == {0: "V", 1: "V", 2: "o"} and log.steps[0].tokens == 4
+    assert log.steps[1].actions == {0: "s", 1: "s", 2: "o"} and log.steps[1].tokens == 0
+    assert (log.steps[1].running, log.steps[1].offloaded) == (2, 1)
+    assert log.steps[2].actions == {0: "D", 1: "s", 2: "o"}
+    assert log.steps[2].launch_seconds == 0.5 and log.durations()[0] != log.durations()[0]   # nan: no timing

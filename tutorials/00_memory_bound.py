@@ -33,7 +33,7 @@ Numbers quoted below come from one default run on a shared 2-core cloud VM; timi
 
 3. Measured decode steps on this CPU. The embedded SmolLM2-135M in float32 reads 538 MB of weights per step and
    45 KiB of KV per token. For each (batch, context) the script runs plain decoding through the real engine on
-   random prompt tokens and takes the median time of the steps in which every request decodes (`watch_steps`):
+   random prompt tokens and takes the median time of the steps in which every request decodes (`StepLog`):
        batch  context  KV MB  roofline ms  measured ms  measured/roofline
            1       64    2.9         30.5          100                3.3
            1    2,048   94.4         35.7          145                4.1
@@ -64,8 +64,9 @@ import torch
 
 from nano_sparsespec import SamplingParams
 
-from tutorials._common import load_llm, parser, random_prompt, save_plot, section, start, table, watch_steps, with_spec
-from tutorials._roofline import GB, GPUS, QWEN3_8B, flops_per_step, kv_bytes_per_token, roofline_ms, weight_bytes_per_step
+from tutorials._common import StepLog, load_llm, parser, random_prompt, save_plot, section, start, table, with_spec
+from tutorials._roofline import (GB, GPUS, QWEN3_8B, flops_per_step, kv_bytes_per_token, roofline_ms,
+                                 weight_bytes_per_step)
 
 # ----------------------------------------------------------------------------------------------------------------------
 # this machine
@@ -99,8 +100,9 @@ def measure_decode_ms(llm, batch: int, context: int, new_tokens: int) -> float:
     vocab = llm.model.config.vocab_size
     prompts = [random_prompt(context, vocab, seed=i) for i in range(batch)]
     with_spec(llm, method="plain", prefill_chunk=batch * context)        # prefill everything in one step
-    with watch_steps() as log:
-        llm.generate(None, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), prompt_token_ids=prompts)
+    log = StepLog()
+    llm.generate(None, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), prompt_token_ids=prompts,
+                 on_step=log.record)
     decode = [d for s, d in zip(log.steps, log.durations()) if set(s.actions.values()) == {"V"}]
     return 1e3 * statistics.median(decode)
 

@@ -12,10 +12,9 @@ critical set the next k drafts attend to, plus the tokens written since. The nam
 positions are chosen verification after verification, vertical pillars in the attention map.
 
 The script decodes the prompt of tutorial 01 (247 tokens; 48 new tokens, greedy, k = 8) with the streaming and the
-pillar drafter at budgets of 8, 16, 32 and 64 positions per (layer, KV head). During the pillar runs it records what
-the engine hands `pillar_attn.select_pillar` at every verification and what it gets back (`capture_verifications`
-wraps that function for the duration of the run): the real scores [layers, KV heads, positions] and the real
-selection. Numbers from one default run on a 2-core cloud VM:
+pillar drafter at budgets of 8, 16, 32 and 64 positions per (layer, KV head). During the pillar runs it records, through
+the engine's `on_selection` callback, what PillarAttn ranked at every verification and what it chose: the real
+scores [layers, KV heads, positions] and the real selection. Numbers from one default run on a 2-core cloud VM:
 
 1. What one verification's attention looks like (budget 32). 11 captures: one after the prefill (scored by the
    prompt's last row), then one per verification. For the last verification, layer 15, KV head 0, the 8 highest
@@ -62,8 +61,6 @@ from pathlib import Path
 if __package__ in (None, ""):   # run as a file: put the repository root on the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from contextlib import contextmanager
-
 import torch
 
 from nano_sparsespec import SamplingParams, pillar_attn
@@ -71,27 +68,14 @@ from nano_sparsespec import SamplingParams, pillar_attn
 from tutorials._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
 
 
-@contextmanager
-def capture_verifications():
-    """Record, at every verification of a `pillar` run, the scores the engine hands `pillar_attn.select_pillar` and
-    the positions it gets back. Yields a list of (scores [L, n_kv, context], selection [L, n_kv, budget]).
+class Captures(list):
+    """The engine's `on_selection` callback as a list: `llm.generate(..., on_selection=captures.record)` appends, at
+    every refresh of a request's critical positions, (scores [L, n_kv, context], selection [L, n_kv, budget]): what
+    PillarAttn ranked and what it chose, best first. Streaming runs pass no scores: nothing is kept."""
 
-    The engine calls `pillar_attn.select_pillar` through the module, so wrapping the module attribute for the
-    duration of the block sees every call; the original runs unchanged.
-    """
-    records, original = [], pillar_attn.select_pillar
-
-    def select(scores, context_len, budget):                 # scores [L, Bv, n_kv, Lmax]; context_len, budget [Bv]
-        chosen = original(scores, context_len, budget)
-        for b, positions in enumerate(chosen):
-            records.append((scores[:, b, :, :int(context_len[b])].clone(), positions.clone()))
-        return chosen
-
-    pillar_attn.select_pillar = select
-    try:
-        yield records
-    finally:
-        pillar_attn.select_pillar = original
+    def record(self, seq, scores, selection) -> None:
+        if scores is not None:
+            self.append((scores.float().cpu().clone(), selection.cpu().clone()))
 
 
 def token_text(llm, token: int) -> str:
@@ -134,8 +118,8 @@ def main(argv=None) -> None:
     for budget in budgets:
         for method in ("streaming", "pillar"):
             with_spec(llm, method=method, stride=k, min_budget=budget, budget_ratio=0.01)
-            with capture_verifications() as records:
-                out = llm.generate(None, params, prompt_token_ids=[ids])[0]
+            records = Captures()
+            out = llm.generate(None, params, prompt_token_ids=[ids], on_selection=records.record)[0]
             runs[method, budget] = (llm.last_stats.summary(k), out.token_ids == plain.token_ids)
             if method == "pillar" and budget == shown:
                 captured = records

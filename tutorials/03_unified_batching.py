@@ -12,7 +12,8 @@ prefill ends, the least loaded one (`batch_policy="balanced"`), so each step mix
 with drafts and every step carries the same load. Exercise 4 asks you to write that slot choice.
 
 The script runs 8 short prompts (38-48 tokens), 40 new tokens each, method='pillar', k = 4, under both policies and
-records every step with `watch_steps`. Numbers from one default run on a shared 2-core cloud VM:
+records every step with a `StepLog` (the engine's `on_step` callback). Numbers from one default run on a shared
+2-core cloud VM:
 
 1. Who does what at each step: one row per request, P prefill, D draft, V verify. Naive: the V's form a column
    every 5 steps. Balanced: they form diagonals, one or two per step.
@@ -58,8 +59,8 @@ import time
 
 from nano_sparsespec import SamplingParams
 
-from tutorials._common import (SHORT_PROMPTS, bar, load_llm, parser, save_plot, section, start, table, timeline, watch_steps,
-                      with_spec)
+from tutorials._common import (SHORT_PROMPTS, StepLog, bar, load_llm, parser, save_plot, section, start, table,
+                               timeline, with_spec)
 from tutorials._roofline import step_ms
 
 
@@ -91,10 +92,10 @@ def main(argv=None) -> None:
     runs = {}
     for policy in ("naive", "balanced"):
         with_spec(llm, method="pillar", stride=k, min_budget=16, batch_policy=policy)
-        with watch_steps() as log:
-            t0 = time.perf_counter()
-            outs = llm.generate(None, params, prompt_token_ids=prompts)
-            runs[policy] = (log, time.perf_counter() - t0, [o.token_ids for o in outs])
+        log = StepLog()
+        t0 = time.perf_counter()
+        outs = llm.generate(None, params, prompt_token_ids=prompts, on_step=log.record)
+        runs[policy] = (log, time.perf_counter() - t0, [o.token_ids for o in outs])
 
     section("1. Who does what at each step (P prefill, D draft, V verify)")
     for policy, (log, _, _) in runs.items():

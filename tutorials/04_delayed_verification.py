@@ -14,8 +14,8 @@ the token is, and the next step reads the token where it already lies, on the de
 baseline every benchmark compares against runs this way).
 
 The script decodes 4 short prompts, 32 new tokens each: first plainly (the reference), then with method='pillar',
-k = 4, balanced, sync and async (`SpecConfig.async_verify`). It records every step with `watch_steps` and every
-commit with `on_commit`. Numbers from one default run on a shared 2-core cloud VM:
+k = 4, balanced, sync and async (`SpecConfig.async_verify`). It records every step with `on_step` (a `StepLog`) and
+every commit with `on_commit`. Numbers from one default run on a shared 2-core cloud VM:
 
 1. The engine loop, both ways (async_loop.Engine.run):
        sync : works = schedule(t);  result = launch(works);  process(result)
@@ -68,7 +68,8 @@ import time
 
 from nano_sparsespec import SamplingParams
 
-from tutorials._common import SHORT_PROMPTS, load_llm, parser, save_plot, section, start, table, timeline, watch_steps, with_spec
+from tutorials._common import (SHORT_PROMPTS, StepLog, load_llm, parser, save_plot, section, start, table,
+                               timeline, with_spec)
 
 LOOPS = """\
   sync : for t = 0, 1, ...:  works = schedule(t);  result = launch(works);  process(result)
@@ -114,13 +115,19 @@ def main(argv=None) -> None:
     for mode, async_verify in (("sync", False), ("async", True)):
         with_spec(llm, method="pillar", stride=k, min_budget=16, batch_policy="balanced", async_verify=async_verify)
         commits = []                                 # (step being scheduled when the commit happened, request, tokens)
-        with watch_steps() as log:
-            def record(seq, tokens, accepted, log=log, commits=commits):
-                commits.append((log.steps[-1].index, seq.seq_id, len(tokens)))
+        log = StepLog()
 
-            t0 = time.perf_counter()
-            outs = llm.generate(None, params, prompt_token_ids=prompts, on_commit=record)
-            runs[mode] = (log, commits, [o.token_ids for o in outs], time.perf_counter() - t0)
+        def record(seq, tokens, accepted, log=log, commits=commits, delayed=async_verify):
+            # The step the engine is at: the last one launched, unless that step holds this very verification and
+            # its result is being processed a step later (delayed): then the engine is at the next step, which
+            # launched nothing (every request waited for a result).
+            last = log.steps[-1]
+            at = last.index + (delayed and last.actions.get(seq.seq_id) in ("V", "P"))
+            commits.append((at, seq.seq_id, len(tokens)))
+
+        t0 = time.perf_counter()
+        outs = llm.generate(None, params, prompt_token_ids=prompts, on_step=log.record, on_commit=record)
+        runs[mode] = (log, commits, [o.token_ids for o in outs], time.perf_counter() - t0)
 
     section("1. The engine loop, with and without delayed verification")
     print(LOOPS)

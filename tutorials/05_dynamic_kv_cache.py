@@ -52,8 +52,8 @@ import torch
 from nano_sparsespec import SamplingParams
 from nano_sparsespec.kv_cache import KVCache
 
-from tutorials._common import (SHORT_PROMPTS, load_llm, parser, save_plot, section, start, table, timeline, watch_steps,
-                      with_spec)
+from tutorials._common import (SHORT_PROMPTS, StepLog, load_llm, parser, save_plot, section, start, table,
+                               timeline, with_spec)
 from tutorials._roofline import GB, H200, QWEN3_8B, kv_bytes_per_token, weight_bytes_per_step
 
 
@@ -123,10 +123,10 @@ def main(argv=None) -> None:
     runs = {}
     for name, kv_blocks in (("unbounded", None), (f"{bounded} blocks", bounded)):
         with_spec(llm, method="pillar", stride=k, min_budget=16, kv_blocks=kv_blocks, block_size=block)
-        with watch_steps() as log:
-            t0 = time.perf_counter()
-            outs = llm.generate(None, params, prompt_token_ids=prompts)
-            runs[name] = (log, llm.last_stats, time.perf_counter() - t0, [o.token_ids for o in outs])
+        log = StepLog()
+        t0 = time.perf_counter()
+        outs = llm.generate(None, params, prompt_token_ids=prompts, on_step=log.record)
+        runs[name] = (log, llm.last_stats, time.perf_counter() - t0, [o.token_ids for o in outs])
     log = runs[f"{bounded} blocks"][0]
     timeline(log, count=70, label=f"{bounded} blocks")
     print("P prefill, D draft, V verify, o offloaded (its KV sits in the host pool), . admitted but waiting for room "

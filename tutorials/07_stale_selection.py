@@ -11,13 +11,16 @@ The ideal is the *per-step top-B bound*: every draft step attends to the B posit
 highest. That costs a full attention pass per draft (the very thing drafting avoids), so it is a bound, not a drafter.
 
 This script measures the gap directly. It decodes the prompt of tutorial 01 greedily with `pillar` (budget 32
-positions per layer and KV head, about a tenth of the context; k = 8) and captures at every verification, per layer,
-KV head and query row, the exact attention probabilities (wrapping `pillar_attn.attention_probs`) and the selection
-the engine made (wrapping `pillar_attn.select_pillar`). A verification's row j is draft step j's query computed
-exactly, so for every cycle and draft step the script can say how much of that step's attention the drafter saw:
-the attention mass on its selection plus the positions written since the verification, averaged over layers and KV
-heads. Rows of rejected drafts are left out: their tokens are not in the text. Numbers from one default run on a
-2-core cloud VM (22 cycles; the figures of sections 1-3 are computed offline from the captures, for the same cycles):
+positions per layer and KV head, about a tenth of the context; k = 8) and records, through the engine's
+`on_selection` callback, the scores and the selection of every verification. The engine does not hand out the
+attention of each query row, so the script recomputes it from the final text: one causal forward pass of the model,
+with a torch forward hook on each layer's attention catching its input, gives every position's exact attention
+probabilities, per layer, KV head and query row (`attention_rows`; the prompt's last row is checked against the
+scores the engine ranked). A verification's row j is draft step j's query computed exactly, so for every cycle and
+draft step the script can say how much of that step's attention the drafter saw: the attention mass on its
+selection plus the positions written since the verification, averaged over layers and KV heads. Rows of rejected
+drafts are left out: their tokens are not in the text. Numbers from one default run on a 2-core cloud VM (22
+cycles):
 
 1. Attention mass seen, by draft step j: StreamingLLM 62-71%, the stale PillarAttn selection 83-89%, the per-step
    top-B bound 88-91%. On average the stale selection loses only ~4 points of attention mass to the bound, and
@@ -32,10 +35,12 @@ heads. Rows of rejected drafts are left out: their tokens are not in the text. N
    hold it, and one wrong head can flip a draft's argmax. The draft's own input token names the position.
 
 3. Other choices at the verification, same budget, no lookup (all steps seeing every top position): PillarAttn 52%;
-   max instead of mean over rows and heads 64%; only the rows of tokens that stay (dropping the rejected drafts'
-   rows) 35%, worse, because the rejected drafts' rows are the queries nearest to the next cycle's drafts; a quarter
-   of the budget pinned to 4 sinks + the most recent positions 57%. A proxy, not acceptance: in the full ablation
-   only lookup raised acceptance by more than the noise, and dropping rows lowered it.
+   only the rows of tokens that stay (dropping the rejected drafts' rows) 35%, worse, because the rejected drafts'
+   rows are the queries nearest to the next cycle's drafts; over those same kept rows, max instead of mean over rows
+   and heads 45% (a sharp head's target survives the max); a quarter of the budget pinned to 4 sinks + the most
+   recent positions 57%. The rejected drafts' rows are not in the text, so the max is taken over the kept rows only.
+   A proxy, not acceptance: in the full ablation only lookup raised acceptance by more than the noise, and dropping
+   rows lowered it.
 
 4. Acceptance on this one prompt (drafts accepted per verification, of 8): pillar 3.13, pillar-lookup with m = 2:
    4.59, m = 4: 3.95, and the default m = 8: 3.95. One prompt and 96 tokens are too few to rank m; at 4 prompts x
@@ -52,11 +57,10 @@ from pathlib import Path
 if __package__ in (None, ""):   # run as a file: put the repository root on the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from contextlib import contextmanager
-
 import torch
 
-from nano_sparsespec import SamplingParams, pillar_attn
+from nano_sparsespec import SamplingParams, lookup, pillar_attn
+from nano_sparsespec.model import apply_rope
 
 from tutorials._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
 
@@ -64,39 +68,55 @@ from tutorials._common import PROMPT, load_llm, parser, save_plot, section, star
 FINAL = dict(method="pillar-lookup")
 
 
-@contextmanager
-def capture_rows():
-    """Record every verification of a one-request `pillar` run. Yields a list that fills with one dict per
-    verification (the last prefill chunk counts as one with no drafts):
-        rows       positions of its scored query rows (row 0: the pending token, row j: draft j)
-        mean, max  [L, n_kv, R, Lmax] attention probabilities of each scored row, mean / max over the GQA group
-        scores     [L, n_kv, Lmax] what the engine ranked (the rows' mean), selection [L, n_kv, B] what it chose
-        context    the verified context after the verification (the selection's positions are below it)
-    Both wrapped functions are called through the module, so the engine's own computation runs unchanged: the
-    probabilities are those the verification's attention computes (eager, on the CPU: one request, no padding rows,
-    so every query row it gets is a scored one; a last prefill chunk's is its last row alone).
-    """
-    records, layers = [], []
-    orig_probs, orig_select = pillar_attn.attention_probs, pillar_attn.select_pillar
+class Selections(list):
+    """The engine's `on_selection` callback as a list: `llm.generate(..., on_selection=selections.record)` appends
+    one dict per refresh of the request's critical positions (after its last prefill chunk, then after every
+    verification):
+        scores     [L, n_kv, context] what PillarAttn ranked: the verification's rows' attention, averaged
+        selection  [L, n_kv, B] what it chose, best first
+        context    the verified context after the verification (the selection's positions are below it)"""
 
-    def probs_of(q, k, mask):                          # called per layer
-        probs = orig_probs(q, k, mask)                 # [1, n_kv, G, R, L]
-        layers.append((probs[0].mean(1), probs[0].amax(1), mask[0].sum(-1) - 1))
-        return probs
+    def record(self, seq, scores, selection) -> None:
+        self.append(dict(scores=scores.float().cpu().clone(), selection=selection.cpu().clone(),
+                         context=scores.shape[-1]))
 
-    def select(scores_, context_len, budget, *rest):
-        chosen = orig_select(scores_, context_len, budget, *rest)
-        records.append(dict(rows=layers[0][2].tolist(), mean=torch.stack([m for m, _, _ in layers]),
-                            max=torch.stack([x for _, x, _ in layers]), scores=scores_[:, 0].clone(),
-                            selection=chosen[0].clone(), context=int(context_len[0])))
-        layers.clear()
-        return chosen
 
-    pillar_attn.attention_probs, pillar_attn.select_pillar = probs_of, select
+@torch.inference_mode()
+def attention_rows(llm, tokens: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact attention probabilities of the queries at positions first.. of `tokens`, recomputed from the text.
+
+    One causal forward pass of the model over `tokens`; a forward hook on each layer's attention module catches its
+    input hidden states, from which that module's own weights give q and k (`qkv_proj`, the q/k norms if the model
+    has them, RoPE at the tokens' positions) and `pillar_attn.attention_probs` the probabilities, as a verification
+    computes them. A verification's row at position c + j (the pending token, then draft j) sees exactly this when
+    its drafts up to j were accepted: the same tokens at the same positions, the same context.
+    -> mean, max [L, n_kv, rows, len(tokens)] over the query heads of each KV head's GQA group; row r is position
+    first + r, zero past it."""
+    model, device = llm.model, llm.device
+    inputs = []
+    hooks = [layer.self_attn.register_forward_hook(lambda module, args, out: inputs.append(args[0]))
+             for layer in model.layers]
     try:
-        yield records
+        positions = torch.arange(len(tokens), device=device)
+        model(torch.tensor(tokens, device=device), positions)
     finally:
-        pillar_attn.attention_probs, pillar_attn.select_pillar = orig_probs, orig_select
+        for hook in hooks:
+            hook.remove()
+    cos, sin = model.rope(positions)
+    rows = positions[first:]
+    mask = (rows[:, None] >= positions[None, :])[None]                          # [1, rows, T] causal
+    mean, peak = [], []
+    for layer, x in zip(model.layers, inputs):
+        attn = layer.self_attn
+        q, k, _ = attn.qkv_proj(x).view(len(tokens), attn.n_heads + 2 * attn.n_kv, attn.head_dim).split(
+            [attn.n_heads, attn.n_kv, attn.n_kv], dim=1)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        probs = pillar_attn.attention_probs(q[first:].float()[None], k.float()[None], mask)[0]   # [n_kv, G, R, T]
+        mean.append(probs.mean(1))
+        peak.append(probs.amax(1))
+    return torch.stack(mean).cpu(), torch.stack(peak).cpu()
 
 
 def seen(probs: torch.Tensor, positions: torch.Tensor, window: range) -> tuple[float, float, float]:
@@ -113,9 +133,9 @@ def lookup_selection(selection: torch.Tensor, tokens: list[int], context: int, p
     """What `pillar-lookup` attends to at the draft step whose input token sits at `position`: the selection with
     the token's lookups merged in (the engine's own `lookup_positions` + `merge_lookup`) -> [L, n_kv, n]."""
     ctx = torch.tensor([tokens[:context]])
-    found, valid = pillar_attn.lookup_positions(ctx, torch.tensor([tokens[position]]), torch.tensor([context]),
+    found, valid = lookup.lookup_positions(ctx, torch.tensor([tokens[position]]), torch.tensor([context]),
                                                 matches, torch.tensor([tokens[position - 1]]))
-    return pillar_attn.merge_lookup(selection[None], torch.tensor([selection.shape[-1]]), found, valid)[0]
+    return lookup.merge_lookup(selection[None], torch.tensor([selection.shape[-1]]), found, valid)[0]
 
 
 def sinks_recent_then_pillars(scores: torch.Tensor, context: int, n: int, fixed: int, sinks: int) -> torch.Tensor:
@@ -143,33 +163,44 @@ def main(argv=None) -> None:
     with_spec(llm, method="plain")
     plain = llm.generate(None, params, prompt_token_ids=[ids])[0]
     with_spec(llm, method="pillar", **spec)
-    with capture_rows() as records:
-        out = llm.generate(None, params, prompt_token_ids=[ids])[0]
+    records = Selections()
+    out = llm.generate(None, params, prompt_token_ids=[ids], on_selection=records.record)[0]
     same = [out.token_ids == plain.token_ids]
     tokens = ids + out.token_ids
+    # Every verification's kept rows (the pending token and the accepted drafts) are rows of the final text: its
+    # attention, recomputed from the first scored row on (the prompt's last, which the prefill's scores come from).
+    first = records[0]["context"] - 1
+    mean_rows, max_rows = attention_rows(llm, tokens, first)            # [L, n_kv, rows, len(tokens)]
+    drift = (mean_rows[..., 0, :first + 1] - records[0]["scores"]).abs().max()
+    print(f"the prompt's last row, recomputed from the text, against the scores the engine ranked after the "
+          f"prefill: largest difference {drift:.1e}")
+
+    def kept_rows(i: int) -> slice:
+        """Rows of record i's verification that stay in the text: its pending token and its accepted drafts."""
+        start = records[i - 1]["context"] if i else first
+        return slice(start - first, records[i]["context"] - first)
 
     # One entry per (cycle, draft step j): what each drafter would have seen of that step's exact attention.
     drafters = {"streaming (sinks + recent)": None, "pillar (stale)": None, "pillar + lookup (m=2)": 2,
                 "pillar + lookup (m=4)": 4, "pillar + lookup (m=8)": 8}
     cover = {name: {} for name in [*drafters, "per-step top-B bound"]}   # name -> j -> [(mass, top seen) per cycle]
-    variants = {"pillar (stale), as the engine chose": [], "max over rows and heads (score_agg=max)": [],
-                "accepted rows only (rejected_weight=0)": [], "a quarter to sinks + recent (recent_share=0.25)": []}
-    for prev, cur in zip(records, records[1:]):
+    variants = {"pillar (stale), as the engine chose": [], "mean over kept rows (rejected_weight=0)": [],
+                "max over kept rows and heads": [], "a quarter to sinks + recent (recent_share=0.25)": []}
+    for i, (prev, cur) in enumerate(zip(records, records[1:])):
         c, sel = prev["context"], prev["selection"]                     # the cycle's drafts attend to sel + window
         n = sel.shape[-1]
         accepted = cur["context"] - c - 1
-        assert cur["rows"][0] == c, "one request, sync: a cycle starts where the last verification ended"
         streaming = pillar_attn.select_streaming(c, n, llm.spec.sink_tokens, cfg.num_layers, cfg.num_kv_heads)
-        # the other selection policies, scored from the same (previous) verification's rows
-        a_prev = c - prev["rows"][0] - 1
-        scored = {"max over rows and heads (score_agg=max)": prev["max"].amax(-2),
-                  "accepted rows only (rejected_weight=0)": prev["mean"][..., :a_prev + 1, :].mean(-2)}
+        # other selection policies, scored from the kept rows of the same (previous) verification
+        rows = kept_rows(i)
+        scored = {"mean over kept rows (rejected_weight=0)": mean_rows[..., rows, :c].mean(-2),
+                  "max over kept rows and heads": max_rows[..., rows, :c].amax(-2)}
         others = {"pillar (stale), as the engine chose": sel,
                   **{name: pillar_attn.select_pillar(s[:, None], [c], [n])[0] for name, s in scored.items()},
                   "a quarter to sinks + recent (recent_share=0.25)":
                   sinks_recent_then_pillars(prev["scores"], c, n, round(0.25 * n), llm.spec.sink_tokens)}
         for j in range(min(accepted, k - 1) + 1):                       # draft step j's input sits at c + j
-            probs = cur["mean"][..., j, :]                              # [L, n_kv, Lmax] its exact attention
+            probs = mean_rows[..., c + j - first, :]                    # [L, n_kv, T] its exact attention
             window = range(c, c + j + 1)
             best = probs[..., :c].topk(n, dim=-1).indices
             cover["per-step top-B bound"].setdefault(j, []).append(seen(probs, best, window))

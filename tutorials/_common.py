@@ -5,9 +5,9 @@
                           (2 layers, hidden 64) that shares SmolLM2's tokenizer, so every script runs in seconds.
                           Its numbers mean nothing: it only proves the code path works.
   * `with_spec`         — change the speculation settings of a loaded `LLM` without reloading its weights.
-  * `watch_steps`       — records what the real engine does at each step (who prefills, drafts, verifies, stalls or
-                          sits offloaded; tokens; timings) by wrapping `Scheduler.schedule` and `ModelRunner.launch`
-                          for the duration of a `with` block. It observes and changes nothing.
+  * `StepLog`           — records what the real engine does at each step (who prefills, drafts, verifies, stalls or
+                          sits offloaded; tokens; timings) from the `StepEvent`s it hands its `on_step` callback:
+                          `log = StepLog(); llm.generate(..., on_step=log.record)`.
   * `table`, `timeline`, `save_plot` — text output, and PNGs when matplotlib is importable.
 """
 from __future__ import annotations
@@ -19,16 +19,14 @@ import re
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from nano_sparsespec import LLM, SpecConfig
+from nano_sparsespec.async_loop import StepEvent
 from nano_sparsespec.embedded import resolve_model_path
-from nano_sparsespec.runner import ModelRunner
-from nano_sparsespec.scheduler import Scheduler
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -167,54 +165,53 @@ class Step:
     index: int
     actions: dict[int, str]       # seq_id -> letter (see LETTERS); requests not yet admitted or finished are absent
     tokens: int                   # tokens through the model this step
-    start: float                  # perf_counter when the scheduler was called
-    launch_seconds: float = 0.0   # building the step's tensors, the forward, sampling / verification (the "GPU" part)
+    start: float                  # perf_counter when scheduling began (nan: a step that launched nothing)
+    launch_seconds: float = 0.0   # host seconds of the launch: the step's tensors, the forward, sampling and
+                                  # verification (queued on a GPU; on the CPU the forward runs inside it)
     running: int = 0              # requests on the device (prefilling or decoding) after scheduling
     offloaded: int = 0            # requests whose KV sits in the host pool
 
 
 @dataclass
 class StepLog:
+    """What the engine did at each step of a run, filled by its `on_step` callback (`record`)."""
     steps: list[Step] = field(default_factory=list)
+    _in_flight: set[int] = field(default_factory=set)    # requests whose result the last launched step awaits
 
     def durations(self) -> list[float]:
-        """Seconds from each step's scheduling to the next one's (the last step has no successor and is left out)."""
+        """Seconds from each step's scheduling to the next one's (the last step has no successor and is left out;
+        a step that launched nothing has no timing: nan, and so has the step before it)."""
         return [b.start - a.start for a, b in zip(self.steps, self.steps[1:])]
 
+    def record(self, event: StepEvent) -> None:
+        """The `on_step` callback: `llm.generate(..., on_step=log.record)` appends one Step per step.
 
-@contextmanager
-def watch_steps():
-    """Record every step of any engine run inside the block. Yields a StepLog that fills as the engine runs.
-
-    This wraps two methods of the real classes and calls the originals unchanged; it is an observer for teaching.
-    """
-    log = StepLog()
-    original_schedule, original_launch = Scheduler.schedule, ModelRunner.launch
-
-    def schedule(self: Scheduler, step: int):
-        t0 = time.perf_counter()
-        works = original_schedule(self, step)
-        actions = {w.seq.seq_id: LETTERS[w.kind] for w in works}
-        for seq in self.running:                  # not scheduled: its result is in flight (stall), or nothing to do
+        The engine reports the steps it launches. With delayed verification a step can launch nothing: every request
+        waits for a result in flight. Such a step shows up as a gap in the step numbers; it is filled in here with a
+        Step of no tokens and no timing, in which the requests that verified (or ended their prompt) at the step
+        before stall and the others sit as they did."""
+        actions = {w.seq.seq_id: LETTERS[w.kind] for w in event.works}
+        for seq in event.running:                 # not scheduled: its result is in flight (stall), or nothing to do
             if seq.seq_id not in actions:
                 actions[seq.seq_id] = LETTERS["stall" if seq.awaiting_result else "idle"]
-        for seq in self.offloaded:
+        for seq in event.offloaded:
             actions[seq.seq_id] = LETTERS["offloaded"]
-        log.steps.append(Step(step, actions, sum(w.num_tokens for w in works), t0,
-                              running=len(self.running), offloaded=len(self.offloaded)))
-        return works
+        if self.steps and event.step > self.steps[-1].index + 1:
+            self._fill_gap(event.step, actions)
+        self.steps.append(Step(event.step, actions, sum(w.num_tokens for w in event.works), event.started,
+                               event.launch_seconds, len(event.running), len(event.offloaded)))
+        self._in_flight = {w.seq.seq_id for w in event.works if w.kind == "verify" or w.final_prefill}
 
-    def launch(self: ModelRunner, works):
-        t0 = time.perf_counter()
-        result = original_launch(self, works)
-        log.steps[-1].launch_seconds = time.perf_counter() - t0
-        return result
-
-    Scheduler.schedule, ModelRunner.launch = schedule, launch
-    try:
-        yield log
-    finally:
-        Scheduler.schedule, ModelRunner.launch = original_schedule, original_launch
+    def _fill_gap(self, step: int, actions: dict[int, str]) -> None:
+        """Steps before `step` that launched nothing: who stalled there, who waited (see `record`)."""
+        before = self.steps[-1]
+        for index in range(before.index + 1, step):
+            idle = {i: "o" if a == "o" else "." for i, a in before.actions.items()
+                    if i in actions and i not in self._in_flight}
+            self.steps.append(Step(index, {**idle, **dict.fromkeys(self._in_flight, "s")}, 0, float("nan"),
+                                   running=sum(a != "o" for a in idle.values()) + len(self._in_flight),
+                                   offloaded=sum(a == "o" for a in idle.values())))
+            self._in_flight = set()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nano_sparsespec import SamplingParams, SpecConfig, pillar_attn, verifier
+from nano_sparsespec import SamplingParams, SpecConfig, attention, pillar_attn, verifier
 from nano_sparsespec.kv_cache import KVCache
 from nano_sparsespec.scheduler import Scheduler, Sequence, Status
 
@@ -110,7 +110,7 @@ def attention_case(g, L=3, H=6, n_kv=2, Q=4, N=40, context_len=36, hot_tail=True
             k[0, context_len:] = q[0, :, ::H // n_kv].mean(0) * 3
         v = torch.randn(1, N, n_kv, D, generator=g)
         mask = torch.ones(1, Q, N, dtype=torch.bool)
-        _, s = pillar_attn.dense_attention(q, k, v, mask, row_weight[None])  # s: [1, n_kv, N]
+        _, s = attention.dense_attention(q, k, v, mask, row_weight[None])  # s: [1, n_kv, N]
         scores.append(s)
         G = H // n_kv    # the package orders query heads by KV head: head h = kv * G + g
         logits = torch.einsum("qhd,nhd->hqn", q[0], k[0].repeat_interleave(G, 1)) * D ** -0.5

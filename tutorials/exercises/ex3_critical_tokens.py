@@ -8,7 +8,7 @@ its group, and over the verification's query rows (weighted). Positions past the
 drafts' columns) must never be chosen: their KV is about to be discarded.
 
 Check your answer: python -m tutorials.check 3
-(reference: nano_sparsespec.pillar_attn.dense_attention's scores, then pillar_attn.select_pillar; tutorial 02)
+(reference: nano_sparsespec.attention.dense_attention's scores, then pillar_attn.select_pillar; tutorial 02)
 """
 import torch
 
