@@ -1,13 +1,8 @@
 """Configuration objects: what the model is, how to speculate, how to sample.
 
-Owns
-  * `ModelConfig`    — the decoder's shape, read from a Hugging Face `config.json` (Qwen3, or a
-                       Llama-family model, which is Qwen3 without the q/k RMSNorm). Unsupported
-                       features fail here, with a clear message.
-  * `SpecConfig`     — the speculation settings: drafting method, stride k, critical-token budget,
-                       batch policy, delayed verification (async) and the KV pool size (offload).
-  * `SamplingParams` — per-request sampling: temperature, top-k, top-p, seed, max new tokens,
-                       stop strings.
+Owns `ModelConfig` (the decoder's shape, read from a Hugging Face `config.json`: Qwen3, or a
+Llama-family model, which lacks q/k RMSNorm; unsupported features fail here), `SpecConfig` (the
+speculation settings) and `SamplingParams` (per-request sampling).
 
 Must not import torch models: this file is plain data and validation, readable before anything else.
 """
@@ -75,26 +70,18 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: "
                              "only 'silu' (SwiGLU) is supported")
-        rope_scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        # transformers 5 folds rope_theta into rope_parameters/rope_scaling
-        if rope_scaling is not None:
-            rope_theta = rope_scaling.get("rope_theta", rope_theta)
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        rope_theta, rope_scaling = cfg.get("rope_theta"), None
+        # transformers 4 writes rope_scaling (its type may be spelled "type"), 5 rope_parameters
+        for key in ("rope_scaling", "rope_parameters"):
+            params = cfg.get(key) or {}
+            legacy_type = params.get("type", "default") if key == "rope_scaling" else "default"
+            rope_type = params.get("rope_type", legacy_type)
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported rope_scaling type {rope_type!r}: "
                                  f"expected one of {SUPPORTED_ROPE_TYPES}")
-            rope_scaling = (None if rope_type == "default"
-                            else {**rope_scaling, "rope_type": rope_type})
-        params = cfg.get("rope_parameters")
-        if params:
             rope_theta = params.get("rope_theta", rope_theta)
-            rope_type = params.get("rope_type", "default")
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}: "
-                                 f"expected one of {SUPPORTED_ROPE_TYPES}")
             if rope_type != "default":
-                rope_scaling = dict(params)
+                rope_scaling = {**params, "rope_type": rope_type}
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
@@ -173,34 +160,22 @@ DEFAULT_LOOKUP_MATCHES = 8     # pillar-lookup's matches per draft step
 class SpecConfig:
     """Speculation settings shared by every request of an engine.
 
-    method       plain (no drafting: k = 0), pillar (PillarAttn critical tokens),
-                 streaming (sink + recent window), ngram (prompt lookup),
-                 full (dense drafts: the oracle that accepts everything when greedy),
-                 pillar-lookup (PillarAttn whose selection is refreshed at every draft step by
-                 token lookup)
-    stride       k, draft steps per verification
+    method         plain (no drafting: k = 0), pillar (PillarAttn critical tokens), streaming
+                   (sink + recent window), ngram (prompt lookup), full (dense drafts: the oracle),
+                   pillar-lookup (PillarAttn refreshed at every draft step by token lookup)
+    stride         k, draft steps per verification
     budget_ratio, min_budget
-                 critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * context))
-    sink_tokens  sink positions kept by the streaming policy
-    lookup_matches
-                 pillar-lookup: at each draft step the latest this-many earlier positions of the
-                 draft's input token, and the position after each, take the place of the
-                 lowest-ranked critical positions. None (default): 8, or min_budget // 2 when the
-                 budget is smaller
-    batch_policy naive (lock-step: all requests verify on the same step) or balanced
-                 (verifications staggered)
-    async_verify delayed verification: a request that verifies at step t sits out step t+1.
-                 Plain decoding instead runs ahead: its step t+1 starts from the token step t
-                 sampled, still on the device (`runs_ahead`)
-    kv_blocks    device KV pool size in blocks (None: sized for the whole batch); too small forces
-                 host offload
-    block_size   tokens per KV block; the paged GPU kernel's tile is at most one block
-    prefill_chunk
-                 prompt tokens per step, over all requests that are prefilling (chunked prefill).
-                 Eagerly the chunks are attended in runs of like length, so a large budget does not
-                 pad them; with CUDA graphs they are a padded static step of their own beside the
-                 step's replay
-    max_batch    requests running at once
+                   critical positions per (layer, KV head): B = max(min_budget, ceil(ratio * ctx))
+    sink_tokens    sink positions kept by the streaming policy
+    lookup_matches pillar-lookup: earlier positions of the draft's input token (and the one after
+                   each) that replace the lowest-ranked critical ones; None: `num_lookups`
+    ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
+    batch_policy   naive (all requests verify on the same step) or balanced (staggered)
+    async_verify   delayed verification: a request that verifies at step t sits out step t+1
+    kv_blocks      device KV pool size in blocks (None: sized for the whole batch; small: offload)
+    block_size     tokens per KV block
+    prefill_chunk  prompt tokens per step over all prefilling requests (chunked prefill)
+    max_batch      requests running at once
     """
     method: str = "plain"
     stride: int = 8
@@ -241,8 +216,8 @@ class SpecConfig:
                              f"lookup_matches={self.num_lookups}: "
                              f"pillar-lookup needs min_budget >= 2 * lookup_matches")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, "
-                             f"got {self.ngram_min!r}, {self.ngram_max!r}")
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, "
+                             f"{self.ngram_max!r}")
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"unknown batch_policy {self.batch_policy!r}: "
                              f"expected one of {BATCH_POLICIES}")
@@ -254,19 +229,12 @@ class SpecConfig:
 
     @property
     def drafts_per_cycle(self) -> int:
-        """Model draft steps between two verifications.
-
-        0 for plain, and for ngram, which drafts on the CPU rather than with the model."""
+        """Model draft steps per verification: 0 for plain, and for ngram (it drafts on the CPU)."""
         return 0 if self.method in ("plain", "ngram") else self.stride
 
     @property
     def runs_ahead(self) -> bool:
-        """Overlapped plain decoding.
-
-        With delayed verification a plain request does not sit out the step after its own but
-        decodes one position further, on the token that step sampled (fed on the device). Plain
-        decoding always commits exactly one token per step, so that position is known before the
-        token is."""
+        """Async plain decoding: step t+1 decodes on step t's sampled token, still on the device."""
         return self.async_verify and self.method == "plain"
 
     @property

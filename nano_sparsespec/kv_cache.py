@@ -1,16 +1,11 @@
 """The paged KV cache: a device pool of fixed-size blocks, per-request block tables, a host pool.
 
-Owns
-  * the K and V pools, `k[layer]` / `v[layer]` of shape [num_slots, n_kv, head_dim] where
-    slot = block * block_size + offset: a request's positions live in whatever blocks its block
-    table lists, so requests grow and shrink without moving anyone else's KV;
-  * the mechanics: `append` (reserve slots for new positions), `rollback` (forget the last n
-    positions: rejected drafts), `free`, `slots_of` (positions -> slots), and `offload` /
-    `restore` (move a whole request's blocks to the host pool and back, in chunks of blocks, byte
-    for byte).
+Owns the K and V pools, `k` / `v` of shape [L, slots, n_kv, head_dim] with slot = block *
+block_size + offset (a request's positions live in the blocks its table lists, so requests grow
+and shrink without moving anyone else's KV), and the mechanics: `append`, `rollback` (rejected
+drafts), `free`, `slots_of` (positions -> slots), `offload` / `restore` (to the host and back).
 
-Must not decide *when* to offload or which request leaves: that policy is the scheduler's.
-Must not compute attention.
+Must not compute attention, nor decide when to offload or which request leaves (the scheduler's).
 """
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ class BlockPool:
             raise KVCacheFull(f"{self.name} KV pool exhausted: request {seq_id} needs {need} more "
                               f"block(s) of {self.block_size} tokens, "
                               f"{len(self.free)} of {self.num_blocks} free")
-        table = self.tables.setdefault(seq_id, [])
-        table.extend(self.free.popleft() for _ in range(need))
+        self.tables.setdefault(seq_id, []).extend(self.free.popleft() for _ in range(need))
         self.lengths[seq_id] = self.lengths.get(seq_id, 0) + extra_tokens
 
     def shrink(self, seq_id: int, n_tokens: int) -> None:
@@ -69,23 +63,17 @@ class BlockPool:
 
 
 class KVCache:
-    """Device pool (`k`, `v`) plus an optional host pool (`host_k`, `host_v`, pinned on CUDA).
-
-    Both pools have the layout [L, slots, n_kv, head_dim]."""
+    """Device pool (`k`, `v`) plus an optional host pool (`host_k`, `host_v`, pinned on CUDA)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device | str,
                  host_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got num_blocks={num_blocks}")
-        self.block_size = block_size
-        self.device = torch.device(device)
-        # One block past the last is the scratch block, never handed to a request: padded steps
-        # (CUDA graphs) write and read its first slot, the scratch slot.
-        self.scratch_block = num_blocks
-        self.scratch_slot = num_blocks * block_size
-        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        # [L, slots + block, n_kv, head_dim]
+        self.block_size, self.device = block_size, torch.device(device)
+        # the scratch block, past the last, is never a request's: padded steps use its first slot
+        self.scratch_block, self.scratch_slot = num_blocks, num_blocks * block_size
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)  # + scratch
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, block_size, "device")
@@ -139,27 +127,24 @@ class KVCache:
 
     def offload(self, seq_id: int, chunk_blocks: int = 64) -> None:
         """Move every block of `seq_id` to the host pool, in chunks; free its device blocks."""
-        length = self.pool.lengths[seq_id]
-        self.host_pool.grow(seq_id, length)
-        src, dst = self.pool.tables[seq_id], self.host_pool.tables[seq_id]
-        for i in range(0, len(src), chunk_blocks):
-            s = self._block_slots(src[i:i + chunk_blocks]).to(self.device)
-            d = self._block_slots(dst[i:i + chunk_blocks])
-            self.host_k[:, d] = self.k[:, s].cpu()
-            self.host_v[:, d] = self.v[:, s].cpu()
-        self.pool.release(seq_id)
+        self._move(seq_id, self.pool, self.host_pool, (self.k, self.v), (self.host_k, self.host_v),
+                   chunk_blocks)
 
     def restore(self, seq_id: int, chunk_blocks: int = 64) -> None:
         """Bring an offloaded request back into (maybe different) device blocks, byte for byte."""
-        length = self.host_pool.lengths[seq_id]
-        self.pool.grow(seq_id, length)
-        src, dst = self.host_pool.tables[seq_id], self.pool.tables[seq_id]
+        self._move(seq_id, self.host_pool, self.pool, (self.host_k, self.host_v), (self.k, self.v),
+                   chunk_blocks)
+
+    def _move(self, seq_id, src_pool, dst_pool, src_kv, dst_kv, chunk_blocks: int) -> None:
+        """Copy `seq_id`'s KV from `src_kv` into new `dst_pool` blocks of `dst_kv`, in chunks."""
+        dst_pool.grow(seq_id, src_pool.lengths[seq_id])
+        src, dst = src_pool.tables[seq_id], dst_pool.tables[seq_id]
         for i in range(0, len(src), chunk_blocks):
-            s = self._block_slots(src[i:i + chunk_blocks])
-            d = self._block_slots(dst[i:i + chunk_blocks]).to(self.device)
-            self.k[:, d] = self.host_k[:, s].to(self.device)
-            self.v[:, d] = self.host_v[:, s].to(self.device)
-        self.host_pool.release(seq_id)
+            s = self._block_slots(src[i:i + chunk_blocks]).to(src_kv[0].device)
+            d = self._block_slots(dst[i:i + chunk_blocks]).to(dst_kv[0].device)
+            for src_t, dst_t in zip(src_kv, dst_kv):  # K, then V
+                dst_t[:, d] = src_t[:, s].to(dst_t.device)
+        src_pool.release(seq_id)
 
     def is_offloaded(self, seq_id: int) -> bool:
         """True while `seq_id`'s KV lives in the host pool."""

@@ -1,23 +1,18 @@
 """The Qwen3 decoder and its loader.
 
-Owns the network — token embedding, RMSNorm, rotary position embedding (RoPE), grouped-query
-attention with optional q/k RMSNorm (Qwen3 has it, Llama-family models do not), the SwiGLU MLP and
-the tied or untied LM head — and loading it from a Hugging Face directory of safetensors (one
-file, or shards listed in `model.safetensors.index.json`).
+Owns the network — embedding, RMSNorm, RoPE, GQA attention with optional q/k RMSNorm, SwiGLU MLP,
+tied or untied LM head — and loading it from a Hugging Face directory of safetensors.
 
-Must not know about drafting, verification or scheduling: every attention goes through one call,
-`attention.attend(layer_idx, q, k, v, ctx)`, and `ctx` (built by the engine) decides what each
-token attends to; `attention.prepare(ctx)` and `attention.finish(ctx)` run once before and after
-the layers. With `ctx=None` that call is plain causal attention over the tokens given:
-`CausalLM.full_logits` uses it as the cache-free reference path for tests and tutorials.
-
-All tokens of a step arrive flattened: `input_ids [T]`, `positions [T]`, whatever requests they
-belong to.
+Must not know about drafting, verification or scheduling: every attention is one call,
+`attention.attend(layer_idx, q, k, v, ctx)`, where `ctx` (built by the engine) decides what each
+token attends to; `ctx=None` is plain causal attention (`CausalLM.full_logits`, the cache-free
+reference). A step's tokens arrive flattened: input_ids [T], positions [T], of any requests.
 """
 from __future__ import annotations
 
 import json
 import math
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -29,25 +24,18 @@ from . import attention
 from .config import ModelConfig
 
 
-# --------------------------------------------------------------------------------------------------
-# The elementwise pieces of a layer, as plain functions. Eagerly each is several small kernels; at
-# decode batch sizes a step is mostly such kernels, so `compile_elementwise()` swaps in
-# torch.compile'd versions that fuse each into one or two. Same math; the eager versions are the
-# reference.
+# ---- the elementwise pieces of a layer -----------------------------------------------------------
+# The eager versions are the reference; `compile_elementwise()` fuses each into one or two kernels.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (HF Qwen3 order)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)), [..., dim] each: the residual add fused into the norm.
-
-    One fused kernel when compiled, where eagerly the add is a kernel of its own."""
+    """(x + delta, rms_norm(x + delta)), [..., dim] each: the residual add fused into the norm."""
     x = x + delta
     return x, rms_norm(x, weight, eps)
 
@@ -65,16 +53,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_ops = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope,
-        "silu_mul": silu_mul}
+_ops = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, apply_rope, silu_mul)}
 _eager_ops = dict(_ops)
 
 
 def compile_elementwise() -> None:
-    """Swap in torch.compile'd (fused) elementwise pieces: dynamic shapes, equal up to float
-    rounding."""
-    for name, fn in _eager_ops.items():
-        _ops[name] = torch.compile(fn, dynamic=True)
+    """Swap in torch.compile'd (fused) elementwise pieces, equal up to float rounding."""
+    _ops.update({name: torch.compile(fn, dynamic=True) for name, fn in _eager_ops.items()})
 
 
 def use_eager_elementwise() -> None:
@@ -111,8 +96,7 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return (inv_freq / factor).float()
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between
-    # interpolated smoothly.
+    # llama3: long wavelengths slowed by `factor`, short ones kept, the band between interpolated
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_context = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
@@ -139,14 +123,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention of one layer: fused qkv projection, optional q/k RMSNorm, RoPE, o_proj."""
+    """GQA self-attention: fused qkv projection (rows q | k | v), optional q/k RMSNorm, RoPE."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        # q, k and v projections fused into one matrix: one GEMM instead of three (rows: q | k | v).
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -155,10 +138,8 @@ class Attention(nn.Module):
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `ctx` decides what each token attends to (None: causal)."""
         T = x.shape[0]
-        # heads: q | k | v
-        qkv = self.qkv_proj(x).view(T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        # [T, n_heads | n_kv | n_kv, head_dim]
-        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=1)
+        qkv = self.qkv_proj(x).view(T, self.n_heads + 2 * self.n_kv, self.head_dim)  # q | k | v
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=1)  # [T, heads, head_dim]
         if self.q_norm is not None:
             q, k = (_ops["apply_rope"](self.q_norm(q), *rope),
                     _ops["apply_rope"](self.k_norm(k), *rope))
@@ -170,11 +151,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: [T, hidden] -> [T, hidden], gate and up projections fused into one matrix."""
+    """SwiGLU MLP: [T, hidden] -> [T, hidden]; gate and up projections fused (rows: gate | up)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # rows: gate | up
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -193,10 +173,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, delta, rope, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, delta) -> this layer's (x, delta), all [T, hidden].
-
-        x is the residual stream before the previous layer's MLP output `delta` was added (delta is
-        None at the first layer); each add is fused into the norm that follows it."""
+        """(x, delta) -> this layer's (x, delta), all [T, hidden]; the residual is x + delta."""
         x, h = self.input_layernorm.add_forward(x, delta)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rope, ctx))
         return x, self.mlp(h)
@@ -244,8 +221,7 @@ class CausalLM(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-# --------------------------------------------------------------------------------------------------
-# Loading from a Hugging Face directory
+# ---- loading from a Hugging Face directory -------------------------------------------------------
 
 def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     """Our parameter name -> the HF tensor names concatenated (along dim 0) to build it."""
@@ -253,19 +229,15 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
                "norm.weight": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
+    fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+    qk_norm = ["self_attn.q_norm", "self_attn.k_norm"] if cfg.qk_norm else []
+    layer = ["self_attn.qkv_proj", "self_attn.o_proj", *qk_norm, "mlp.gate_up_proj",
+             "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
     for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        attn = hf + "self_attn."
-        sources[ours + "self_attn.qkv_proj.weight"] = [attn + f"{p}_proj.weight" for p in "qkv"]
-        sources[ours + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
-        if cfg.qk_norm:
-            sources[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
-            sources[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
-        sources[ours + "mlp.gate_up_proj.weight"] = [hf + "mlp.gate_proj.weight",
-                                                     hf + "mlp.up_proj.weight"]
-        sources[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sources[ours + f"{norm}.weight"] = [hf + f"{norm}.weight"]
+        for name in layer:  # HF uses our names, but for the fused ones
+            sources[f"layers.{i}.{name}.weight"] = [f"model.layers.{i}.{hf}.weight"
+                                                    for hf in fused.get(name, [name])]
     return sources
 
 
@@ -306,9 +278,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     where = _weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    state = {}
-    handles = {}
-    try:
+    state, handles = {}, {}
+    with ExitStack() as stack:   # closes the opened files
         for name, hf_names in _hf_sources(cfg).items():
             missing = [n for n in hf_names if n not in where]
             if missing:
@@ -317,23 +288,19 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
             for hf_name in hf_names:
                 file = where[hf_name]
                 if file not in handles:
-                    handles[file] = _open_safetensors(file).__enter__()
+                    handles[file] = stack.enter_context(_open_safetensors(file))
                 try:
                     parts.append(handles[file].get_tensor(hf_name).to(dtype))
                 except (SafetensorError, OSError, RuntimeError) as e:
                     raise ValueError(f"cannot read tensor {hf_name!r} from {str(file)!r} "
                                      f"(truncated or corrupt?): {e}") from e
             state[name] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
     model = model.to_empty(device=device).to(dtype)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in state}
+    expected = model.state_dict()
     for name, tensor in state.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"weight {name!r} in {str(model_dir)!r} "
-                             f"has shape {tuple(tensor.shape)}, "
-                             f"config says {expected[name]}")
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"weight {name!r} in {str(model_dir)!r} has shape "
+                             f"{tuple(tensor.shape)}, config says {tuple(expected[name].shape)}")
     model.load_state_dict(state, strict=True)
     model.rope = RotaryEmbedding(cfg).to(device)             # buffers are not in the checkpoint
     return model.eval().requires_grad_(False)

@@ -1,34 +1,26 @@
 """Request state and the per-step plan: who prefills, drafts, verifies, waits, or is offloaded.
 
-Owns
-  * `Sequence`: one request's tokens and state — waiting, prefill, running (drafting / verifying /
-    stalled by the phase clock), offloaded, finished — plus its acceptance statistics;
-  * `Scheduler.schedule(step)`: the step's `Work` list under the batch policy, admission of
-    waiting requests, and the offload/restore policy of the bounded KV pool.
+Owns `Sequence` (one request's tokens, state and acceptance statistics) and
+`Scheduler.schedule(step)`: the step's `Work` list under the batch policy, admission of waiting
+requests, and the offload/restore policy of the bounded KV pool.
 
-The phase clock. Every running request owns a *verify slot* s in [0, P), P = drafts_per_cycle + 1
-(+1 more with delayed verification, for the stall step). At global step t it verifies when
-t % P == s, sits out (stalls) when delayed verification is on and t % P == s + 1, and drafts
-otherwise. `naive` gives every request slot 0 (lock-step: all draft together, all verify
-together); `balanced` gives a newly prefilled request the least-loaded slot, so each step holds
-about B / P verifications. A request's first cycle after prefill may therefore have fewer than k
-drafts. Plain decoding is the k = 0 case (P = 1: verify every step, with no drafts); n-gram
-drafting proposes its drafts on the CPU, so it also verifies every step. With delayed
-verification plain decoding has no stall: a request whose result is in flight runs ahead
-(`SpecConfig.runs_ahead`), one position further on the token still on the device, unless that
-token will be its last; so it can have two results in flight.
+Phase clock: a running request owns a verify slot s in [0, P), P = drafts_per_cycle + 1 (+1 for
+the stall step of delayed verification). At step t it verifies when t % P == s, stalls when
+delayed and t % P == s + 1, and drafts otherwise. `naive` gives every request slot 0 (lock-step);
+`balanced` gives a newly prefilled request the least-loaded slot, so its first cycle may have
+fewer than k drafts. Plain and n-gram verify every step; with delayed verification plain decoding
+runs ahead instead of stalling (`SpecConfig.runs_ahead`): two results may be in flight.
 
-Offload policy (when the next step's KV does not fit the device pool): the most recently admitted
-request (decoding or still prefilling) that has no result in flight moves wholly to the host pool,
-keeping its phase; offloaded requests come back first-out first-in as soon as their blocks plus
-one step of headroom fit, and no waiting request is admitted while one is out.
+Offload: when a step's KV does not fit, the latest-admitted request with no result in flight moves
+wholly to the host pool, keeping its phase; offloaded requests return first-out first-in once they
+fit with one step of headroom, and no waiting request is admitted while one is out.
 
-Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step with
-its decisions.
+Must not run the model: it only decides, and keeps the KV cache's block bookkeeping in step.
 """
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,8 +45,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     status: Status = Status.WAITING
-    # prompt + committed output; the last one is not yet cached
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # prompt + output; the last is not cached
     num_prefilled: int = 0              # prompt tokens whose KV is cached
     verify_slot: int = 0
     num_drafts: int = 0                 # model drafts made since the last verification
@@ -67,8 +58,7 @@ class Sequence:
     # statistics of speculation
     accepted_counts: list[int] = field(default_factory=list)    # accepted drafts per verification
     drafts_per_verify: list[int] = field(default_factory=list)  # drafts offered per verification
-    # (accepted drafts, 1 corrected/bonus) per commit
-    commit_log: list[tuple[int, int]] = field(default_factory=list)
+    commit_log: list[tuple[int, int]] = field(default_factory=list)  # (accepted, 1) per commit
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -130,8 +120,7 @@ class Scheduler:
         self.period = (spec.drafts_per_cycle + 1
                        + (1 if spec.async_verify and not spec.runs_ahead else 0))
         self._admissions = itertools.count()
-        self.offload_events = 0
-        self.restore_events = 0
+        self.offload_events = self.restore_events = 0
 
     # --- requests ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -162,19 +151,12 @@ class Scheduler:
         if self.spec.batch_policy == "naive" or self.period == 1:
             seq.verify_slot = 0
             return
-        live = [s for s in self.running + self.offloaded
-                if s.status != Status.PREFILL and s is not seq]
-        load = [0] * self.period
-        for s in live:
-            load[s.verify_slot] += 1
+        load = Counter(s.verify_slot for s in self.running + self.offloaded
+                       if s.status != Status.PREFILL and s is not seq)
         seq.verify_slot = min(range(self.period), key=lambda s: (load[s], s))
 
     def action(self, seq: Sequence, step: int) -> str:
-        """What a prefilled request does at global step `step`: verify, draft, stall or ahead.
-
-        With delayed verification the step after a verification finds its result still in flight:
-        that is the stall, or for plain decoding the step that runs ahead.
-        """
+        """What a prefilled request does at global step `step`: verify, draft, stall or ahead."""
         if seq.awaiting_result:
             # running ahead is worth it only if the token in flight is not the request's last
             return "ahead" if self.spec.runs_ahead and self.draft_limit(seq) > 0 else "stall"
@@ -197,11 +179,9 @@ class Scheduler:
             if victim is not None:
                 if self.cache.length(victim.seq_id) > 0:
                     self._offload(victim)
-                # holding no KV yet, it simply waits a step
-                works = [w for w in works if w.seq is not victim]
+                works = [w for w in works if w.seq is not victim]  # holding no KV: it waits
             elif any(s.awaiting_result for s in self.running):
-                # Delayed verification: the others' results (and their rollbacks) are still in
-                # flight, so the latest-admitted request simply waits one step.
+                # the others' results (and rollbacks) are in flight: the latest admitted waits
                 works.remove(max(works, key=lambda w: w.seq.admitted_at))
             else:
                 raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold "
@@ -241,16 +221,12 @@ class Scheduler:
         return works
 
     def _fits(self, works: list[Work]) -> bool:
-        need = sum(self.cache.blocks_needed(
-                       w.seq.seq_id,
-                       max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)))
-                   for w in works)
+        new = [max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)) for w in works]
+        need = sum(self.cache.blocks_needed(w.seq.seq_id, n) for w, n in zip(works, new))
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:
-        """The latest-admitted request with work this step and no result in flight, or None.
-
-        Its KV is settled, so it can move; the last running request never moves."""
+        """Latest-admitted request with work and no result in flight, or None (never the last one)."""
         settled = [w.seq for w in works if not w.seq.awaiting_result]
         if len(self.running) <= 1 or len(works) <= 1 or not settled:
             return None
@@ -272,8 +248,7 @@ class Scheduler:
                 return
             self.cache.restore(seq.seq_id)
             self.offloaded.pop(0)
-            seq.status = (Status.PREFILL if seq.num_prefilled < seq.num_prompt
-                          else Status.RUNNING)
+            seq.status = Status.PREFILL if seq.num_prefilled < seq.num_prompt else Status.RUNNING
             self.running.append(seq)
             self.restore_events += 1
 

@@ -1,45 +1,20 @@
 """Sampling and verification: from logits to the tokens a request emits.
 
 Owns
-  * `uniform(seeds, positions, salt)` — counter-based randomness. A request's random numbers
-    depend only on its seed, the sequence position of the token being decided and the purpose (a
-    salt), never on the batch it shares or on a global generator; so results are reproducible and
-    independent of scheduling.
-  * `SamplingTensors`   — the per-row sampling parameters of a batch as tensors (temperature,
-    top-k, top-p, seed).
-  * `probs_from_logits` — temperature, then top-k, then top-p (nucleus), renormalised; greedy rows
-    become one-hot.
-  * `sample`            — greedy argmax or inverse-CDF sampling with one uniform per row.
-  * `verify`            — checks a request's k drafts against the target distributions of one
-    verification step: greedy prefix match (`verify_greedy`) or lossless rejection sampling
-    (`verify_rejection`). Vocabulary of vLLM's rejection sampler: drafts are *accepted*; at the
-    first rejection a *recovered* token is sampled from the residual max(0, p - q); if every draft
-    is accepted a *bonus* token is sampled from the target's next row.
-  * `sample_drafts`, `verify_logits` — what the engine calls: logits in, tokens out (`sample` with
-    the draft salt and `verify`, behind `probs_from_logits`). `compile_sampling()` swaps in
-    torch.compile'd versions (the fast path).
+  * `uniform(seeds, positions, salt)` — counter-based randomness, a pure function of (seed,
+    position, salt): results do not depend on the batch or on scheduling.
+  * `SamplingTensors`, `probs_from_logits` (temperature, top-k, top-p; greedy rows one-hot) and
+    `sample` (greedy argmax or inverse-CDF sampling with one uniform per row).
+  * `verify` — accepts a prefix of a request's drafts (greedy match or lossless rejection
+    sampling), then a *recovered* token from max(0, p - q), or a *bonus* one if all are accepted.
+  * `sample_drafts`, `verify_logits` — logits in, tokens out; `compile_sampling()` fuses them.
 
-Must not touch the KV cache or the model. Everything is batched and device-agnostic (CPU or CUDA)
-with no host syncs (.item(), .tolist(), data-dependent Python branches) inside the functions: only
-shapes and host-side flags decide Python control flow.
+Must not touch the KV cache or the model, nor sync with the host (.item(), .tolist(),
+data-dependent branches): only shapes and host-side flags decide Python control flow.
 
-Randomness and why reusing (seed, position, salt) is sound. Each purpose has its own salt:
-  SALT_TARGET    sampling the token at a position from the target (plain decode, first token after
-                 prefill, bonus)
-  SALT_DRAFT     sampling a draft token at a position
-  SALT_ACCEPT    the accept test of the draft at a position
-  SALT_RESIDUAL  sampling the recovered token at a position from the residual after a rejection
-Every uniform is *consumed* at most once per position, i.e. influences emitted output at most once:
-  * a position's accept test counts at most once: verification stops at the first rejection
-    (tests computed beyond it are ignored) and then decides that very position (with
-    SALT_RESIDUAL), so it is never drafted or tested again;
-  * the target / residual uniform decides a position, which is then final;
-  * a position may be drafted again in a later cycle (SALT_DRAFT reused) only when its earlier
-    draft lay behind a rejection and was discarded unseen; the event "rejected earlier" depends on
-    other uniforms only, so the reused draft uniform is still a fresh, independent uniform given
-    everything emitted so far.
-Different salts give independent streams, so e.g. the draft x ~ q and its accept test u are
-independent, as the rejection-sampling proof requires.
+Salts: SALT_TARGET (target or bonus token), SALT_DRAFT (draft token), SALT_ACCEPT (accept test),
+SALT_RESIDUAL (recovered token). Each uniform influences the output at most once per position
+(a position is drafted again only after its draft was rejected unseen), so reuse is sound.
 """
 from __future__ import annotations
 
@@ -47,9 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .device import to_device
-
 from .config import SamplingParams
+from .device import to_device
 
 SALT_TARGET = 0
 SALT_DRAFT = 1
@@ -59,14 +33,10 @@ SALT_RESIDUAL = 3
 _M32 = 0xFFFFFFFF
 
 
-# --------------------------------------------------------------------------------------------------
-# counter-based randomness
+# ---- counter-based randomness --------------------------------------------------------------------
 
 def _lowbias32(x):
-    """Chris Wellons' lowbias32 mixer, a bijection on [0, 2**32); Python ints or int64 tensors.
-
-    An int64 product of two 32-bit values may wrap past 2**63 (two's complement on every PyTorch
-    backend); the mask keeps its low 32 bits, which wrapping does not change."""
+    """Wellons' lowbias32 mixer, a bijection on [0, 2**32) (masks keep int64 products exact)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
@@ -80,9 +50,7 @@ def _salt_state(salt: int) -> int:
 
 
 def _uniform_from_state(state, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Float uniforms in (0, 1) from a salt state and seeds, positions (broadcastable Long tensors).
-
-    `state` is an int or a Long tensor broadcastable with them (a per-row salt)."""
+    """Float uniforms in (0, 1) from a salt state (int or per-row Long) and seeds, positions."""
     h = _lowbias32(state ^ (seeds & _M32))      # low 32 bits of the seed
     h = _lowbias32(h ^ ((seeds >> 32) & _M32))  # high 32 bits of the seed
     h = _lowbias32(h ^ (positions & _M32))      # in [0, 2**32)
@@ -91,15 +59,11 @@ def _uniform_from_state(state, seeds: torch.Tensor, positions: torch.Tensor) -> 
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
-    """Uniforms in the open interval (0, 1), a pure function of (seed, position, salt), elementwise.
-
-    seeds, positions: Long[N] (or broadcastable shapes) -> Float[N] (float32; never 0 or 1).
-    """
+    """seeds, positions Long[N] (broadcastable) -> Float[N] uniforms in the open interval (0, 1)."""
     return _uniform_from_state(_salt_state(salt), seeds, positions)
 
 
-# --------------------------------------------------------------------------------------------------
-# per-row sampling parameters
+# ---- per-row sampling parameters -----------------------------------------------------------------
 
 @dataclass
 class SamplingTensors:
@@ -122,15 +86,13 @@ class SamplingTensors:
         if any(not isinstance(s, int) for s in seeds):
             raise ValueError(f"seeds must be ints (resolve seed=None before sampling), "
                              f"got {seeds!r}")
-        greedy = [p.greedy for p in params_list]
+        temperature = [0.0 if p.greedy else float(p.temperature) for p in params_list]
         return cls(
-            temperature=to_device([0.0 if g else float(p.temperature)
-                                   for g, p in zip(greedy, params_list)],
-                                  torch.float32, device),
+            temperature=to_device(temperature, torch.float32, device),
             top_k=to_device([p.top_k for p in params_list], torch.long, device),
             top_p=to_device([float(p.top_p) for p in params_list], torch.float32, device),
             seed=to_device([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.long, device),
-            greedy=to_device(greedy, torch.bool, device),
+            greedy=to_device([p.greedy for p in params_list], torch.bool, device),
             **cls.host_flags(params_list),
         )
 
@@ -155,28 +117,20 @@ class SamplingTensors:
                                self.all_greedy, self.any_greedy)
 
     def select(self, index: torch.Tensor, flags: dict) -> "SamplingTensors":
-        """Rows `index` Long[M] of a table of per-request rows, with host `flags` of just those.
-
-        `flags` is `host_flags` of the selected requests' params, so that other rows of the table
-        do not change them."""
+        """Rows `index` Long[M] of a table, with `flags` = `host_flags` of just those requests."""
         return replace(self.rows(index), **flags)
 
     def __len__(self) -> int:
-        """Number of rows N."""
         return self.seed.shape[0]
 
 
-# --------------------------------------------------------------------------------------------------
-# logits -> probabilities -> tokens
+# ---- logits -> probabilities -> tokens -----------------------------------------------------------
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set filtered-out logits to -inf.
+    """Set filtered-out logits to -inf: logits Float[..., V], top_k Long[...], top_p Float[...].
 
-    logits Float[..., V], top_k Long[...], top_p Float[...] -> Float[..., V].
-    top-k keeps exactly k tokens (ties broken towards the lower index, like argmax); top-p then
-    keeps the smallest prefix of the sorted distribution whose mass is >= top_p (the top token
-    always survives).
-    """
+    top-k keeps exactly k tokens (ties towards the lower index, like argmax); top-p then keeps the
+    smallest sorted prefix whose mass is >= top_p (the top token always survives)."""
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [..., V]
     rank = torch.arange(V, device=logits.device)                              # [V]
@@ -184,8 +138,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits = sorted_logits.masked_fill(rank >= k[..., None], float("-inf"))
     probs = sorted_logits.softmax(-1)  # [..., V]
     mass_before = _cdf(probs) - probs  # [..., V] exclusive prefix mass
-    # top_p == 1: keep all despite rounding
-    drop = (mass_before >= top_p[..., None]) & (top_p[..., None] < 1.0)
+    drop = (mass_before >= top_p[..., None]) & (top_p[..., None] < 1.0)  # 1: keep all (rounding)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
@@ -215,10 +168,7 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("nano_sparsespec::cdf", mutates_args=())
 def _cdf(probs: torch.Tensor) -> torch.Tensor:
-    """probs.cumsum(-1): [..., V] -> [..., V], as an opaque operator.
-
-    Compiled graphs call it as one kernel and fuse nothing into it: torch's Triton backend failed
-    to fuse this scan with the softmax before it or the reductions after it."""
+    """probs.cumsum(-1): [..., V] -> [..., V], opaque: compiled graphs fuse nothing into it."""
     return probs.cumsum(-1)
 
 
@@ -231,8 +181,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row: probs Float[N, V] (>= 0, any sum), u Float[N] in (0, 1) -> Long[N]."""
     cdf = _cdf(probs)                             # [N, V]
     target = (u * cdf[:, -1])[:, None]            # [N, 1], < total since u < 1
-    # first i with cdf[i] > target
-    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first i: cdf[i] > target
     token = token.clamp_max(probs.shape[-1] - 1)  # guard: rounding at the top end
     # guard: a (parallel) cumsum that is not exactly monotone could land on a zero-probability token
     ok = probs.gather(-1, token[:, None]).squeeze(-1) > 0
@@ -250,15 +199,11 @@ def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
     return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u))
 
 
-# --------------------------------------------------------------------------------------------------
-# verification
+# ---- verification --------------------------------------------------------------------------------
 
 @dataclass
 class VerifyResult:
-    """Per request b: it emits draft_tokens[b, :num_accepted[b]], then next_token[b].
-
-    Counts: accepted = num_accepted, recovered = (~is_bonus) rows, bonus = is_bonus rows.
-    """
+    """Per request b: it emits draft_tokens[b, :num_accepted[b]], then next_token[b]."""
     num_accepted: torch.Tensor  # Long[B], 0..num_drafts
     next_token: torch.Tensor    # Long[B], recovered (after a rejection) or bonus (all accepted)
     is_bonus: torch.Tensor      # Bool[B], every draft accepted (vacuously when num_drafts == 0)
@@ -273,35 +218,27 @@ def verify_greedy(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_dr
     """Accept the longest prefix where draft == target argmax, then emit the argmax that follows.
 
     target_probs Float[B, K+1, V], draft_tokens Long[B, K], num_drafts Long[B]
-    -> (num_accepted Long[B], token Long[B])
-    """
+    -> (num_accepted Long[B], token Long[B])"""
     K = draft_tokens.shape[1]
     target = target_probs.argmax(-1)                               # [B, K+1]
-    # [B, K], False on padding
-    valid = torch.arange(K, device=draft_tokens.device) < num_drafts[:, None]
+    valid = torch.arange(K, device=draft_tokens.device) < num_drafts[:, None]  # [B, K]
     n = _accepted_prefix((draft_tokens == target[:, :K]) & valid)  # [B]
     return n, target.gather(1, n[:, None]).squeeze(1)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalize(max(0, p - q)): p, q Float[B, V] -> Float[B, V].
-
-    Falls back to p where the residual is all zero (reachable only through rounding, when p == q
-    and yet a rejection happened)."""
+    """normalize(max(0, p - q)), or p where that is all zero: p, q Float[B, V] -> Float[B, V]."""
     r = (p - q).clamp_min(0.0)                                                # [B, V]
     mass = r.sum(-1, keepdim=True)                                            # [B, 1]
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
 def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, first_position):
-    """Lossless rejection sampling (Leviathan et al. / Chen et al.).
+    """Lossless rejection sampling (Leviathan et al.): emits tokens distributed as the target.
 
-    The emitted tokens are distributed exactly as sampling from the target, whatever the draft
-    distribution q.
     target_probs Float[B, K+1, V] (p), draft_tokens Long[B, K] (x), draft_probs Float[B, K, V]
     (q) or None (q one-hot at x), num_drafts Long[B], seed Long[B], first_position Long[B]
-    -> (num_accepted Long[B], token Long[B])
-    """
+    -> (num_accepted Long[B], token Long[B])"""
     B, K1, V = target_probs.shape
     K = K1 - 1
     j = torch.arange(K, device=draft_tokens.device)  # [K]
@@ -315,8 +252,7 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
     n = _accepted_prefix(accept)      # [B]
     is_bonus = n == num_drafts        # [B]
 
-    # [B, V]: the target at the decided row
-    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)
+    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V] row n
     if K > 0:
         i = n.clamp_max(K - 1)[:, None]  # [B, 1] rejected row (junk if bonus)
         if draft_probs is None:
@@ -327,8 +263,7 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
     else:
         dist = p_n
     pos = first_position + n                        # [B] position of the next token
-    # [B] per-row salt
-    state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))
+    state = torch.where(is_bonus, _salt_state(SALT_TARGET), _salt_state(SALT_RESIDUAL))  # [B]
     u_next = _uniform_from_state(state, seed, pos)  # [B]
     return n, _inverse_cdf(dist, u_next)
 
@@ -339,15 +274,13 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     """Verify a batch of requests with a variable number of (right-padded) drafts each.
 
     target_probs   Float[B, K+1, V]  row j: target distribution of the token at first_position + j
-    draft_tokens   Long[B, K]        draft proposed for first_position + j; ignored beyond
-                                     num_drafts[b]
+    draft_tokens   Long[B, K]        draft for first_position + j; ignored beyond num_drafts[b]
     draft_probs    Float[B, K, V]    the distribution each draft was sampled from, or None for
                                      deterministic drafts (greedy or n-gram: q one-hot at the draft)
     num_drafts     Long[B]           0..K (0: a plain decode step, sampling the target at row 0)
     st             one row per request; first_position Long[B]
     """
-    # no drafts in the batch (plain decoding, first tokens): sample the target row, which is what
-    # rejection sampling reduces to
+    # no drafts in the batch (plain decoding, first tokens): rejection sampling reduces to this
     if draft_tokens.shape[1] == 0:
         token = sample(target_probs[:, 0], st, first_position, SALT_TARGET)
         return VerifyResult(num_accepted=torch.zeros_like(token), next_token=token,
@@ -363,13 +296,11 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     return VerifyResult(num_accepted=n, next_token=token, is_bonus=n == num_drafts)
 
 
-# --------------------------------------------------------------------------------------------------
-# logits in, tokens out: what the engine calls
+# ---- logits in, tokens out: what the engine calls ------------------------------------------------
 
 def _sample_drafts(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor):
     probs = probs_from_logits(logits, st)
-    # the salt is a constant: as an argument it would be compiled as a symbolic int, and torch
-    # then mistyped the hash
+    # the salt is a constant: as an argument torch.compile would make it a symbolic int
     return probs, sample(probs, st, positions, SALT_DRAFT)
 
 
@@ -379,9 +310,7 @@ def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_posi
     return out.num_accepted, out.next_token, out.is_bonus
 
 
-# Eager, sampling or verifying one step is dozens of small kernels, each launched from Python: on
-# the GPU their launches cost more host time than their work. `compile_sampling()` fuses them into
-# a few (the hash's integer ops stay bit-identical; softmax and sums within float rounding).
+# compile_sampling() fuses a step's dozens of small kernels into a few (the hash stays exact).
 _fused = {"drafts": _sample_drafts, "verify": _verify_logits}
 
 
