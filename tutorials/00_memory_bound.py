@@ -20,7 +20,7 @@ Numbers quoted below come from one default run on a shared 2-core cloud VM; timi
    At batch 1 the weights dominate and a step costs ~3.6 ms on an H200 whatever the context. Batching shares the
    weights among requests (tokens/s grows almost linearly with the batch at 1K context), but the KV grows with
    batch x context: at batch 32 and 32K context 91% of the bytes are KV, and throughput drops from 6,891 to 811
-   tokens/s (the row does not even fit in 141 GB: tutorial 05). FLOP/byte is the arithmetic intensity; an H100 or
+   tokens/s (the row does not even fit in 141 GB: tutorial 06). FLOP/byte is the arithmetic intensity; an H100 or
    H200 is compute-bound only above ~295 or ~230. Each request's K/V serve only its own query heads (4 per KV head
    in Qwen3-8B: 4 FLOP per byte), so batching never raises the KV's intensity: at long context every step is
    memory-bound. The last line previews SparseSpec: a draft step that attends to 5% of the context reads 23 GB
@@ -47,7 +47,7 @@ With matplotlib installed it also saves tutorials/out/00_roofline.png: the H200 
 batch 1 to 128, drawn only where the weights and the KV fit in 141 GB. With --quick the Qwen3-8B tables are the same
 and section 3 times a tiny random model instead.
 
-Next: tutorial 01 lets the model draft for itself.
+Next: tutorial 02 lets the model draft for itself.
 """
 from __future__ import annotations
 

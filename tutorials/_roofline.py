@@ -1,4 +1,4 @@
-"""The bytes-and-FLOPs model of a decode step (tutorial 00 explains it; tutorials 01 and 03 reuse it).
+"""The bytes-and-FLOPs model of a decode step (tutorial 00 explains it; tutorials 02 and 04 reuse it).
 
 A step takes at least max(bytes moved / memory bandwidth, FLOPs / peak FLOP/s): the roofline. One step reads every
 weight once (whatever the number of tokens in it) plus the KV cache positions its queries attend to.

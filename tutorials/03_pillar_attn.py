@@ -1,8 +1,8 @@
-"""Tutorial 02: PillarAttn, critical tokens picked for free by the verification's own attention.
+"""Tutorial 03: PillarAttn, critical tokens picked for free by the verification's own attention.
 
-    python -m tutorials.02_pillar_attn            # about two minutes on a laptop CPU
-    python -m tutorials.02_pillar_attn --quick    # seconds, tiny random model
-    python tutorials/02_pillar_attn.py --quick    # the same, run as a file
+    python -m tutorials.03_pillar_attn            # about two minutes on a laptop CPU
+    python -m tutorials.03_pillar_attn --quick    # seconds, tiny random model
+    python tutorials/03_pillar_attn.py --quick    # the same, run as a file
 
 A sparse drafter is only as good as the positions it attends to. StreamingLLM keeps a fixed window: the first tokens
 (attention "sinks") and the most recent ones. PillarAttn lets the model choose: a verification step computes full
@@ -11,7 +11,7 @@ query heads of each GQA group, score every position for every (layer, KV head). 
 critical set the next k drafts attend to, plus the tokens written since. The name comes from the picture: the same
 positions are chosen verification after verification, vertical pillars in the attention map.
 
-The script decodes the prompt of tutorial 01 (247 tokens; 48 new tokens, greedy, k = 8) with the streaming and the
+The script decodes the prompt of tutorial 02 (247 tokens; 48 new tokens, greedy, k = 8) with the streaming and the
 pillar drafter at budgets of 8, 16, 32 and 64 positions per (layer, KV head). During the pillar runs it records, through
 the engine's `on_selection` callback, what PillarAttn ranked at every verification and what it chose: the real
 scores [layers, KV heads, positions] and the real selection. Numbers from one default run on a 2-core cloud VM:
@@ -45,13 +45,13 @@ scores [layers, KV heads, positions] and the real selection. Numbers from one de
    With 8 positions both are starved (4 sinks + 4 recent tokens is as good a guess as any); from 32 on, PillarAttn
    pulls away. Every run is identical to plain greedy decoding, which the script checks.
 
-With matplotlib: tutorials/out/02_pillar_attn.png, the log scores of four layers (rows: successive captures,
+With matplotlib: tutorials/out/03_pillar_attn.png, the log scores of four layers (rows: successive captures,
 columns: positions, red ticks: the selected positions) and acceptance against budget. What it shows, honestly: each
 row is one verification's score vector, averaged over its query rows and a GQA group, not the attention map of a
 single query; that averaged vector is exactly what PillarAttn ranks. Exercise 3 asks you to compute it and pick the
 top B yourself.
 
-Next: tutorial 03 runs many requests at once and staggers their verifications.
+Next: tutorial 04 runs many requests at once and staggers their verifications.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def selection_rows(records, layer: int, head: int, width: int) -> list[str]:
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 02: PillarAttn")
+    start(args, "Tutorial 03: PillarAttn")
     llm = load_llm(args)
     cfg = llm.model.config
     ids = llm.encode(PROMPT)
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
                title="acceptance vs budget")
         ax.legend()
 
-    save_plot(args, "02_pillar_attn", draw)
+    save_plot(args, "03_pillar_attn", draw)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Tutorial 06: all together, the generate CLI and the benchmark, and how to run on a GPU and a real Qwen3.
+"""Tutorial 07: all together, the generate CLI and the benchmark, and how to run on a GPU and a real Qwen3.
 
-    python -m tutorials.06_all_together            # about two minutes on a laptop CPU
-    python -m tutorials.06_all_together --quick    # seconds, tiny random model
-    python tutorials/06_all_together.py --quick    # the same, run as a file
+    python -m tutorials.07_all_together            # about two minutes on a laptop CPU
+    python -m tutorials.07_all_together --quick    # seconds, tiny random model
+    python tutorials/07_all_together.py --quick    # the same, run as a file
 
 The previous tutorials took SparseSpec apart; this one runs it the way a user does, through the two command-line
 tools, and says how to read their numbers and where to run them for real. Numbers from one default run on a shared
@@ -33,7 +33,7 @@ tools, and says how to read their numbers and where to run them for real. Number
    and a verification writes accepted + 1 tokens); 'GB/s' is the bytes the row had to read by the byte model of
    tutorial 00 over its seconds, and '% of peak BW' its share of the roofline; '= plain' counts requests identical to
    the plain row (greedy: all). On this CPU, with a small model at short context, every step is bound by the
-   weights and per-step overheads, so speculation loses here, exactly as tutorials 00 and 01 predict: its gains live
+   weights and per-step overheads, so speculation loses here, exactly as tutorials 00 and 02 predict: its gains live
    on a GPU at long context.
 
 4. On a GPU: the same commands with --device cuda --dtype bfloat16, plus --cuda-graphs --compile (the fast GPU
@@ -92,7 +92,7 @@ def run(command: list[str], threads: int) -> subprocess.CompletedProcess:
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 06: all together")
+    start(args, "Tutorial 07: all together")
     path = str(tiny_model_dir()) if args.quick else args.model
     model = [] if path is None else ["--model", path]
     new_tokens = 8 if args.quick else 48
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
           "a bucket shape, is one upload of its index lists and one replay of a CUDA graph that builds the step's "
           "tensors, runs the model, samples and verifies (cuda_graphs.py); without them every kernel is launched "
           "from Python and the GPU mostly waits. --async overlaps the host's bookkeeping with the "
-          "device (tutorial 04); --kv-blocks bounds the device pool (tutorial 05). Expect the gains where tutorial "
+          "device (tutorial 05); --kv-blocks bounds the device pool (tutorial 06). Expect the gains where tutorial "
           "00 says the step is memory-bound: long contexts and large batches. --profile-steps says how far they can "
           "go at a shape: its 'ceiling' column is (accepted + 1) / (k + 1) x a plain step over a plain step with next "
           "to nothing to attend to (no step that runs the model's layers costs less); where attention is a small "

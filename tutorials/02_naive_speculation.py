@@ -1,8 +1,8 @@
-"""Tutorial 01: naive self-speculative decoding, and why greedy speculation never changes the output.
+"""Tutorial 02: naive self-speculative decoding, and why greedy speculation never changes the output.
 
-    python -m tutorials.01_naive_speculation            # under a minute on a laptop CPU
-    python -m tutorials.01_naive_speculation --quick    # seconds, tiny random model
-    python tutorials/01_naive_speculation.py --quick    # the same, run as a file
+    python -m tutorials.02_naive_speculation            # under a minute on a laptop CPU
+    python -m tutorials.02_naive_speculation --quick    # seconds, tiny random model
+    python tutorials/02_naive_speculation.py --quick    # the same, run as a file
 
 Speculative decoding writes several tokens per expensive step: a cheap *drafter* proposes k tokens one at a time,
 then one *verification* step runs the target model over all k at once and keeps the longest prefix it agrees with.
@@ -49,7 +49,7 @@ run on a 2-core cloud VM; yours will differ, the shape of the result should not.
 With --quick the same steps run on a tiny random model (16 tokens, k = 4): acceptance is meaningless there, the
 equality check is not.
 
-Next: tutorial 02 lets the model choose the positions its drafts attend to.
+Next: tutorial 03 lets the model choose the positions its drafts attend to.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def shorten(text: str, width: int = 40) -> str:
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 01: naive self-speculative decoding")
+    start(args, "Tutorial 02: naive self-speculative decoding")
     llm = load_llm(args)
     ids = llm.encode(PROMPT)
     new_tokens, k = (16, 4) if args.quick else (64, 8)

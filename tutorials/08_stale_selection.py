@@ -1,8 +1,8 @@
-"""Tutorial 07: why a PillarAttn selection goes stale during drafting, and what keeps it fresh.
+"""Tutorial 08: why a PillarAttn selection goes stale during drafting, and what keeps it fresh.
 
-    python -m tutorials.07_stale_selection            # about two minutes on a laptop CPU
-    python -m tutorials.07_stale_selection --quick    # seconds, tiny random model
-    python tutorials/07_stale_selection.py --quick    # the same, run as a file
+    python -m tutorials.08_stale_selection            # about two minutes on a laptop CPU
+    python -m tutorials.08_stale_selection --quick    # seconds, tiny random model
+    python tutorials/08_stale_selection.py --quick    # the same, run as a file
 
 PillarAttn picks a request's critical positions once per cycle, from the attention of the verification, and the
 next k drafts attend to that selection plus the tokens written since. Draft j's query is j tokens further on than
@@ -10,7 +10,7 @@ the newest query the selection was scored with: whatever it needs that the verif
 The ideal is the *per-step top-B bound*: every draft step attends to the B positions its own full attention ranks
 highest. That costs a full attention pass per draft (the very thing drafting avoids), so it is a bound, not a drafter.
 
-This script measures the gap directly. It decodes the prompt of tutorial 01 greedily with `pillar` (budget 32
+This script measures the gap directly. It decodes the prompt of tutorial 02 greedily with `pillar` (budget 32
 positions per layer and KV head, about a tenth of the context; k = 8) and records, through the engine's
 `on_selection` callback, the scores and the selection of every verification. The engine does not hand out the
 attention of each query row, so the script recomputes it from the final text: one causal forward pass of the model,
@@ -47,7 +47,7 @@ cycles):
    1024 tokens m = 8 won (7.13 vs 5.91 for pillar on looping text, 6.45 vs 5.81 with repeats banned, 6.79 vs 6.24
    at T = 0.6). Every run is identical to plain greedy decoding, which the script checks.
 
-With matplotlib: tutorials/out/07_stale_selection.png, the attention mass seen against the draft step.
+With matplotlib: tutorials/out/08_stale_selection.png, the attention mass seen against the draft step.
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def sinks_recent_then_pillars(scores: torch.Tensor, context: int, n: int, fixed:
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 07: stale selections")
+    start(args, "Tutorial 08: stale selections")
     llm = load_llm(args)
     cfg = llm.model.config
     ids = llm.encode(PROMPT)
@@ -257,7 +257,7 @@ def main(argv=None) -> None:
                title=f"what the drafter sees of each draft step's attention (budget {budget})")
         ax.legend(fontsize=8)
 
-    save_plot(args, "07_stale_selection", draw)
+    save_plot(args, "08_stale_selection", draw)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Tutorial 03: unified batching, staggering verifications so that every step carries the same load.
+"""Tutorial 04: unified batching, staggering verifications so that every step carries the same load.
 
-    python -m tutorials.03_unified_batching            # under a minute on a laptop CPU
-    python -m tutorials.03_unified_batching --quick    # seconds, tiny random model
-    python tutorials/03_unified_batching.py --quick    # the same, run as a file
+    python -m tutorials.04_unified_batching            # under a minute on a laptop CPU
+    python -m tutorials.04_unified_batching --quick    # seconds, tiny random model
+    python tutorials/04_unified_batching.py --quick    # the same, run as a file
 
 With one request, speculation alternates k cheap draft steps and one verification. With a batch, how those phases
 line up decides what each step carries. The *naive* policy runs the requests in lock-step: everyone drafts together
@@ -42,9 +42,9 @@ records every step with a `StepLog` (the engine's `on_step` callback). Numbers f
    are read either way. When the naive verification spike is compute-bound while its draft steps leave the tensor
    cores idle, balancing recovers the difference: up to 1.35x in this model.
 
-With matplotlib: tutorials/out/03_unified_batching.png, the tokens per step of both policies.
+With matplotlib: tutorials/out/04_unified_batching.png, the tokens per step of both policies.
 
-Next: tutorial 04 overlaps the host's bookkeeping with the device's work.
+Next: tutorial 05 overlaps the host's bookkeeping with the device's work.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def cycle_ms(policy: str, batch: int, context: int, k: int, ratio: float = 0.05)
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 03: unified batching")
+    start(args, "Tutorial 04: unified batching")
     llm = load_llm(args)
     batch, k, new_tokens = (4, 3, 12) if args.quick else (8, 4, 40)
     prompts = [llm.encode(p) for p in (SHORT_PROMPTS * 2)[:batch]]
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
                title=f"{batch} requests, k = {k}: tokens per step once every request decodes")
         ax.legend()
 
-    save_plot(args, "03_unified_batching", draw)
+    save_plot(args, "04_unified_batching", draw)
 
 
 if __name__ == "__main__":

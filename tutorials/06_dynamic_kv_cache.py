@@ -1,8 +1,8 @@
-"""Tutorial 05: the dynamic KV cache, a bounded pool of blocks that spills whole requests to host memory.
+"""Tutorial 06: the dynamic KV cache, a bounded pool of blocks that spills whole requests to host memory.
 
-    python -m tutorials.05_dynamic_kv_cache            # under a minute on a laptop CPU
-    python -m tutorials.05_dynamic_kv_cache --quick    # seconds, tiny random model
-    python tutorials/05_dynamic_kv_cache.py --quick    # the same, run as a file
+    python -m tutorials.06_dynamic_kv_cache            # under a minute on a laptop CPU
+    python -m tutorials.06_dynamic_kv_cache --quick    # seconds, tiny random model
+    python tutorials/06_dynamic_kv_cache.py --quick    # the same, run as a file
 
 The KV cache is paged: the device pool is a set of blocks of `block_size` tokens and each request owns a block
 table, so requests grow and shrink without moving anyone else's KV. A reasoning request's final length is unknown,
@@ -33,9 +33,9 @@ when there is room again (restore). Numbers from one default run on a 2-core clo
    request with no result in flight (exercise 5), offloaded requests return first-out first-in once their blocks
    plus a step of headroom fit, and nobody new is admitted while one is out.
 
-With matplotlib: tutorials/out/05_dynamic_kv_cache.png, requests on the device and in host memory per step.
+With matplotlib: tutorials/out/06_dynamic_kv_cache.png, requests on the device and in host memory per step.
 
-Next: tutorial 06 puts it all together with the command line and the benchmark.
+Next: tutorial 07 puts it all together with the command line and the benchmark.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def mechanics() -> None:
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 05: the dynamic KV cache")
+    start(args, "Tutorial 06: the dynamic KV cache")
 
     section("1. The paged pool: block tables, rollback, offload and restore (nano_sparsespec.kv_cache.KVCache)")
     mechanics()
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
         ax.set(xlabel="step", ylabel="requests", title=f"{batch} requests in a pool of {bounded} blocks")
         ax.legend(loc="upper right")
 
-    save_plot(args, "05_dynamic_kv_cache", draw)
+    save_plot(args, "06_dynamic_kv_cache", draw)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Tutorial 04: delayed verification, overlapping the host's bookkeeping of step t-1 with the device's step t.
+"""Tutorial 05: delayed verification, overlapping the host's bookkeeping of step t-1 with the device's step t.
 
-    python -m tutorials.04_delayed_verification            # under a minute on a laptop CPU
-    python -m tutorials.04_delayed_verification --quick    # seconds, tiny random model
-    python tutorials/04_delayed_verification.py --quick    # the same, run as a file
+    python -m tutorials.05_delayed_verification            # under a minute on a laptop CPU
+    python -m tutorials.05_delayed_verification --quick    # seconds, tiny random model
+    python tutorials/05_delayed_verification.py --quick    # the same, run as a file
 
 Every step ends with host work: copy the verification results back, commit the accepted tokens, roll back the KV of
 rejected drafts, pick the next critical positions. In a synchronous loop the device waits while the host works.
@@ -51,9 +51,9 @@ every commit with `on_commit`. Numbers from one default run on a shared 2-core c
    request does nothing meanwhile, no draft builds on unverified state, and every token passes the same
    verification against the same full-attention target.
 
-With matplotlib: tutorials/out/04_delayed_verification.png, the two timelines as coloured grids.
+With matplotlib: tutorials/out/05_delayed_verification.png, the two timelines as coloured grids.
 
-Next: tutorial 05 bounds the KV pool and spills whole requests to host memory.
+Next: tutorial 06 bounds the KV pool and spills whole requests to host memory.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def lanes(device_ms: float, host_ms: float, steps: int, overlap: bool, ms_per_ch
 
 def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
-    start(args, "Tutorial 04: delayed verification")
+    start(args, "Tutorial 05: delayed verification")
     llm = load_llm(args)
     batch, k, new_tokens = (3, 3, 10) if args.quick else (4, 4, 32)
     prompts = [llm.encode(p) for p in SHORT_PROMPTS[:batch]]
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
             ax.set(title=f"{mode}: blue prefill, orange draft, green verify, red stall", xlabel="step",
                    ylabel="request", yticks=range(batch))
 
-    save_plot(args, "04_delayed_verification", draw)
+    save_plot(args, "05_delayed_verification", draw)
 
 
 if __name__ == "__main__":
