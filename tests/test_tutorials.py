@@ -21,9 +21,12 @@ from tutorials.check import exercise_module  # noqa: E402
 from tutorials.exercises.checkers import CHECKS  # noqa: E402
 from tutorials.exercises.ex5_offload_victim import Candidate  # noqa: E402
 
-# tutorial module -> a line its quick run must print
+# tutorial module -> a line (or lines) its quick run must print
 TUTORIALS = {
     "00_memory_bound": "KV cache per token of context: 144 KiB",
+    "01_build_it_yourself": ("same as the engine's plain decoding: True", "12 of 12 drafts accepted",
+                             "chi-square test passes: True",
+                             "greedy speculative output equals plain greedy output, token for token: True"),
     "02_naive_speculation": "identical token for token: True",
     "03_pillar_attn": "Every run identical to plain greedy: True",
     "04_unified_batching": "outputs identical under both policies: True",
@@ -49,7 +52,35 @@ def test_tutorial_runs_in_quick_mode(name, embedded_tokenizer):
     done = subprocess.run([sys.executable, "-m", f"tutorials.{name}", "--quick", "--no-plot"], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    assert TUTORIALS[name] in done.stdout, done.stdout[-3000:]
+    lines = TUTORIALS[name] if isinstance(TUTORIALS[name], tuple) else (TUTORIALS[name],)
+    assert all(line in done.stdout for line in lines), done.stdout[-3000:]
+
+
+def test_build_it_yourself_teaches_what_it_says(embedded_tokenizer):
+    """Tutorial 01's own functions on the tiny model: its dense cache matches the package's model, dense drafts are
+    all accepted, sparse drafts over a budget that covers the context are too (they see what dense drafts see),
+    greedy speculation equals plain greedy decoding with any budget, and its chi-square test accepts rejection
+    sampling's output and rejects the raw drafts' (its quick run prints that: TUTORIALS above)."""
+    import importlib
+    from nano_sparsespec.model import load_model
+    from tutorials._common import tiny_model_dir
+    t = importlib.import_module("tutorials.01_build_it_yourself")
+    torch.manual_seed(0)
+    model = load_model(tiny_model_dir())
+    ids = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+    logits, _ = t.forward(model, t.DenseKV(model), ids)
+    assert torch.allclose(logits, model.full_logits(torch.tensor(ids)), atol=1e-4)
+    plain = model.full_logits(torch.tensor(ids)).argmax(-1)[-1:].tolist()
+    for _ in range(11):
+        plain.append(int(model.full_logits(torch.tensor(ids + plain)).argmax(-1)[-1]))
+    dense, acc = t.speculate(model, ids, 12, 4)
+    assert dense == plain and all(n == offered for n, offered in acc)
+    covering, acc = t.speculate(model, ids, 12, 4, budget=len(ids) + 12)
+    assert covering == plain and all(n == offered for n, offered in acc)
+    for budget in (1, 4):
+        assert t.speculate(model, ids, 12, 4, budget=budget)[0] == plain
+    assert t.verify_greedy(torch.eye(5)[[1, 2, 0, 4]], [1, 2, 3]) == (2, 0)
+    assert abs(t.chi_square_pvalue(14.067, 7) - 0.05) < 1e-4 and abs(t.chi_square_pvalue(9.488, 4) - 0.05) < 1e-4
 
 
 @pytest.mark.parametrize("name", [*TUTORIALS, "check"])
