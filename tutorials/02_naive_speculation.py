@@ -6,14 +6,16 @@
 
 Speculative decoding writes several tokens per expensive step: a cheap *drafter* proposes k tokens one at a time,
 then one *verification* step runs the target model over all k at once and keeps the longest prefix it agrees with.
-Self-speculation uses the model as its own drafter: no second model, no training. This script shows that it only
-pays when the drafts are cheaper than plain steps, and that greedy speculation never changes the output.
+Self-speculation uses the model as its own drafter: no second model, no training. Tutorial 01 wrote this loop out
+by hand; here the engine runs it. This script shows that it only pays when the drafts are cheaper than plain steps
+and the verification is not much dearer, and that greedy speculation never changes the output.
 
 Every run decodes the prompt in `_common.PROMPT` (notes about a bakery and a question: 247 tokens with the chat
-template) greedily, 64 new tokens, with the embedded SmolLM2-135M. The numbers quoted below come from one default
-run on a 2-core cloud VM; yours will differ, the shape of the result should not.
+template) greedily, 64 new tokens, with the embedded SmolLM2-135M, after a short warm-up run. Step times are
+medians over each run's steps. The numbers quoted below come from one default run on a 2-core cloud VM shared with
+other jobs; yours will differ (by 2x or more on a loaded machine), the shape of the result should not.
 
-1. Plain decoding: one model step per token. 64 tokens in 64 steps (7.5 s on one CPU thread), and the start of the
+1. Plain decoding: one model step per token. 64 tokens in 64 steps, the median step's time, and the start of the
    answer ('To solve this problem, we need to break it down ...').
 
 2. Self-drafting with full attention (method='full', k = 8). 64 tokens in 64 steps, 8.0 of 8.0 drafts accepted per
@@ -24,8 +26,11 @@ run on a 2-core cloud VM; yours will differ, the shape of the result should not.
 3. A cheap drafter: StreamingLLM (method='streaming', budget 16 positions). Each draft attends to 4 "sink" tokens
    at the start, the 12 most recent verified positions and the drafts written since the last verification, out of
    ~279 positions. Result: 64 tokens in 197 steps, 22 verifications, 1.86 of 7.9 drafts accepted on average (2.86
-   tokens per verification). The acceptance by draft position falls from 0.64 for the first draft to 0.10 for the
-   eighth: a draft counts only if every draft before it was accepted. The first verification cycles, as printed:
+   tokens per verification). Acceptance by draft position j, two ways: the share of verifications that accepted at
+   least j drafts (the engine's `acceptance_by_position`; drafts are accepted as a prefix, so it only falls: 0.64
+   for j = 1 to 0.10 for j = 8), and the chance that draft j is accepted once the drafts before it were (their
+   ratio: 0.64, 0.57, 0.50, then 0.7-1.0: a cycle that gets past the first few drafts tends to run on; few cycles
+   reach those positions). The first verification cycles, as printed:
        cycle  accepted  accepted drafts                          verifier token
            1         8  ' solve this problem, we need to break'  ' it'
            3         1  ','                                      ' we'
@@ -36,15 +41,31 @@ run on a 2-core cloud VM; yours will differ, the shape of the result should not.
    its position, and the first mismatch is replaced by that argmax; by induction every token is the one plain
    greedy decoding writes. With sampling, rejection sampling keeps the *distribution* identical (exercise 2).
 
-5. Why it pays off on a GPU. The roofline model of tutorial 00 (`_roofline.py`) for Qwen3-8B on an H200, batch 32
-   at 32K context: a plain step 39.5 ms, a draft step over 5% of the KV 5.3 ms, a verification of 9 tokens per
-   request 39.5 ms (still memory-bound). One cycle of k drafts and a verification:
-       drafter    tokens per cycle  cycle ms  speed-up vs plain
-       full                      9       355                  1
-       streaming              2.86      82.1               1.38
-   The full drafter gains nothing; the sparse one wins even with this small model's modest acceptance because its
-   steps read 5% of the KV. On this CPU, at ~300 tokens of context, the weights dominate every step, which is why
-   the wall-clock times above show no saving: speculation pays where tutorial 00 says the KV dominates.
+5. What a cycle costs, three ways. A cycle of k drafts and one verification writes (accepted + 1) tokens, so
+   speculation runs at (accepted + 1) x plain / (k x draft + verification) of plain decoding's speed.
+   - This CPU, with the medians measured above: the script prints the draft and the verification over a plain step
+     and that ratio, next to the runs' wall-clock ratio. At ~280 positions the weights are most of a CPU step: a
+     draft saves only the attention it skips, every rejected draft is a step spent for nothing, and speculation
+     loses or breaks even here (in one run of the embedded model streaming took 24.0 s against plain's 11.3 s; on
+     a loaded machine another gave 29.8 against 29.2 s).
+   - The roofline model of tutorial 00 (`_roofline.py`), Qwen3-8B on an H200, batch 32 at 32K context: plain 39.5
+     ms, a draft over 5% of the KV 5.3 ms, a verification of 9 tokens per request 39.5 ms, 1x a plain step (still
+     memory-bound). By this model streaming drafts would run at 1.38x plain, full drafts at 1.00x.
+   - What an H200 measures (BENCHMARKS.md), with the roofline's verification/plain ratio beside the measured one:
+       H200 shape (BENCHMARKS.md)  plain ms  verify/plain: model  measured  draft/plain  accepted  lock-step
+       SmolLM2-135M, 128 x 2,048       3.97                 1.0x      6.4x        0.77x      5.27      0.50x
+       SmolLM2-135M, 512 x 4,096       17.1                 1.0x      6.8x        0.29x         6      0.77x
+       Qwen3-8B shape, 64 x 8,000      25.1                 1.0x      6.5x        0.31x      5.27      0.70x
+     (and the balanced and ceiling columns of tutorials 04 and 07). A verification costs 6.4-6.8x a plain step,
+     not 1x. The model leaves out the verification's PillarAttn score pass (float32 probabilities of its k + 1
+     rows, every layer's keys read again, then a top-k), a step's fixed cost that bytes do not count (launches,
+     small GEMMs, LM head, sampling: 2.7 of a 4.0 ms plain step of the small model), gathers of scattered positions,
+     plain decoding reaching only 28-52% of the bandwidth, and slots left idle by stalls and the batch's tail.
+   On the H200 SparseSpec does not pay today (a verification costs ~6-7x a plain step; full SparseSpec runs at
+   0.23x plain at 128 x 2,048); on one CPU thread at long contexts it does (pillar-lookup with balanced batching:
+   1.41x plain at 8 x 4,096).
+
+Plot: tutorials/out/02_acceptance_by_position.png, both acceptance curves against j.
 
 With --quick the same steps run on a tiny random model (16 tokens, k = 4): acceptance is meaningless there, the
 equality check is not.
@@ -59,22 +80,28 @@ from pathlib import Path
 if __package__ in (None, ""):   # run as a file: put the repository root on the import path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import statistics
 import time
 
 from nano_sparsespec import SamplingParams
 
-from tutorials._common import PROMPT, load_llm, parser, section, start, table, with_spec
-from tutorials._roofline import step_ms
+from tutorials._common import PROMPT, StepLog, load_llm, parser, save_plot, section, start, table, with_spec
+from tutorials._roofline import MEASURED_HEADERS, MODEL_LEAVES_OUT, PAYS_TODAY, measured_rows, step_ms
 
 
 def generate(llm, ids, params, **spec):
-    """Run one request with these speculation settings; returns (output, stats, seconds, commits)."""
-    commits = []                                                  # (new tokens, how many were accepted drafts)
+    """Run one request with these speculation settings; returns (output, stats, seconds, commits, step ms), where
+    step ms maps a step's kind ('D' draft, 'V' verification or plain decode) to the median of its durations."""
+    commits, log = [], StepLog()                                  # commits: (new tokens, how many were drafts)
     with_spec(llm, **spec)
     t0 = time.perf_counter()
-    out = llm.generate(None, params, prompt_token_ids=[ids],
+    out = llm.generate(None, params, prompt_token_ids=[ids], on_step=log.record,
                        on_commit=lambda seq, tokens, accepted: commits.append((tokens, accepted)))[0]
-    return out, llm.last_stats, time.perf_counter() - t0, commits
+    seconds = time.perf_counter() - t0
+    kinds = {}
+    for step, duration in zip(log.steps[1:], log.durations()[1:]):   # the prefill step is left out
+        kinds.setdefault(step.actions.get(0, "?"), []).append(1e3 * duration)
+    return out, llm.last_stats, seconds, commits, {kind: statistics.median(d) for kind, d in kinds.items()}
 
 
 def shorten(text: str, width: int = 40) -> str:
@@ -91,16 +118,20 @@ def main(argv=None) -> None:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     print(f"prompt: {len(ids)} tokens; {new_tokens} new tokens, greedy")
 
+    generate(llm, ids, SamplingParams(max_new_tokens=4, ignore_eos=True), method="full", stride=2)   # warm-up
+
     section("1. Plain decoding: one model step per token")
-    plain, stats, secs, _ = generate(llm, ids, params, method="plain")
-    print(f"{len(plain.token_ids)} tokens in {stats.steps} steps, {secs:.1f} s")
+    plain, stats, plain_secs, _, plain_ms = generate(llm, ids, params, method="plain")
+    print(f"{len(plain.token_ids)} tokens in {stats.steps} steps, {plain_secs:.1f} s; a step takes "
+          f"{plain_ms['V']:.0f} ms (median)")
     print(f"text: {plain.text[:160]!r}...")
 
     section(f"2. Self-drafting with full attention (method='full', k={k})")
-    full, stats, secs, _ = generate(llm, ids, params, method="full", stride=k)
+    full, stats, secs, _, full_ms = generate(llm, ids, params, method="full", stride=k)
     s = stats.summary(k)
     print(f"{len(full.token_ids)} tokens in {stats.steps} steps, {secs:.1f} s; accepted {s['mean_accepted']} of "
-          f"{s['mean_offered']} drafts per verification")
+          f"{s['mean_offered']} drafts per verification; median step: draft {full_ms['D']:.0f} ms, verification "
+          f"{full_ms['V']:.0f} ms")
     print(f"Every draft is accepted: the drafter IS the target model. But {k} draft steps and 1 verification step "
           f"make {k + 1} tokens: one token per step ({stats.steps} steps for {len(full.token_ids)} tokens), plain "
           "decoding's rate, and every one of those steps reads all the weights and the whole KV cache, like a plain "
@@ -108,8 +139,8 @@ def main(argv=None) -> None:
 
     budget = 8 if args.quick else 16
     section(f"3. A cheap drafter: StreamingLLM window (method='streaming', k={k}, budget {budget} positions)")
-    stream, stream_stats, secs, commits = generate(llm, ids, params, method="streaming", stride=k,
-                                                   min_budget=budget, budget_ratio=0.01)
+    stream, stream_stats, secs, commits, stream_ms = generate(llm, ids, params, method="streaming", stride=k,
+                                                              min_budget=budget, budget_ratio=0.01)
     s = stream_stats.summary(k)
     print(f"each draft attends to {min(llm.spec.sink_tokens, budget)} sink tokens + the most recent "
           f"{budget - min(llm.spec.sink_tokens, budget)} verified positions + the drafts since the last verification, "
@@ -117,10 +148,13 @@ def main(argv=None) -> None:
     print(f"{len(stream.token_ids)} tokens in {stream_stats.steps} steps, {secs:.1f} s; {s['verifications']} "
           f"verifications, accepted {s['mean_accepted']} of {s['mean_offered']} drafts on average "
           f"({s['tokens_per_verification']} tokens per verification)")
-    print("acceptance by draft position (a draft counts only if all before it were accepted):")
-    for j, rate in enumerate(s["acceptance_by_position"]):
-        if rate is not None:
-            print(f"  draft {j + 1}: {rate:5.2f} {'#' * round(30 * rate)}")
+    print("acceptance by draft position j: the share of verifications that accepted at least j drafts (drafts are "
+          "accepted as a prefix, so it can only fall), and the chance that draft j is accepted once the drafts "
+          "before it were:")
+    at_least = [r for r in s["acceptance_by_position"] if r is not None]
+    given = [r / prev if prev else float("nan") for r, prev in zip(at_least, [1.0] + at_least)]
+    table(["j", "P(at least j accepted)", "P(draft j | drafts before it)"],
+          [[j + 1, a, "-" if g != g else g] for j, (a, g) in enumerate(zip(at_least, given))])   # nan: never reached
     print("the first verification cycles (accepted drafts | the verifier's own token):")
     rows = []
     for n, (tokens, accepted) in enumerate(commits[1:7], 1):   # commits[0] is the first token, made by the prefill
@@ -139,24 +173,50 @@ def main(argv=None) -> None:
     if not same:
         raise SystemExit("greedy speculation changed the output: this is a bug")
 
-    section("5. Why it pays off on a GPU (roofline model, Qwen3-8B on an H200, batch 32 at 32K context)")
+    section("5. What a cycle costs: this CPU, the roofline model of an H200, and what an H200 measures")
+    tokens = s["tokens_per_verification"]
+    cpu_cycle = k * stream_ms["D"] + stream_ms["V"]
+    print(f"On this CPU (median steps): plain {plain_ms['V']:.0f} ms, streaming draft {stream_ms['D']:.0f} ms "
+          f"({stream_ms['D'] / plain_ms['V']:.2f}x plain), verification {stream_ms['V']:.0f} ms "
+          f"({stream_ms['V'] / plain_ms['V']:.1f}x). A cycle of {k} drafts + 1 verification costs {cpu_cycle:.0f} ms "
+          f"for {tokens} tokens: {tokens * plain_ms['V'] / cpu_cycle:.2f}x plain by these step costs; measured over "
+          f"the runs, streaming took {secs:.1f} s against plain's {plain_secs:.1f} s ({plain_secs / secs:.2f}x).")
+    verdict = "loses" if secs > 1.1 * plain_secs else "wins" if plain_secs > 1.1 * secs else "breaks about even"
+    print(f"At ~{len(ids) + new_tokens // 2} positions the weights are most of a CPU step, so a draft saves only the "
+          "attention it skips, and each rejected draft is a step spent for no token: at this context speculation "
+          f"{verdict} here (a shared machine moves these timings by "
+          "2x). On one CPU thread at 4,096 positions, where attention is most of a plain step, it wins (1.41x in "
+          "BENCHMARKS.md).")
     batch, context = 32, 32768
-    plain_ms = step_ms(batch, batch * context, batch * context)
+    plain_gpu = step_ms(batch, batch * context, batch * context)
     sparse = int(0.05 * context) + k // 2                     # 5% critical positions + the drafts' recent window
-    draft_ms = step_ms(batch, batch * sparse, batch * sparse)
-    verify_ms = step_ms(batch * (k + 1), batch * context, batch * (k + 1) * context)
-    print(f"plain step {plain_ms:.1f} ms; a draft step over 5% of the KV {draft_ms:.1f} ms; a verification "
-          f"({k + 1} tokens per request) {verify_ms:.1f} ms")
+    draft_gpu = step_ms(batch, batch * sparse, batch * sparse)
+    verify_gpu = step_ms(batch * (k + 1), batch * context, batch * (k + 1) * context)
+    print(f"\nThe roofline model (tutorial 00), Qwen3-8B on an H200, batch {batch} at {context} context: plain "
+          f"{plain_gpu:.1f} ms, a draft over 5% of the KV {draft_gpu:.1f} ms ({draft_gpu / plain_gpu:.2f}x), a "
+          f"verification of {k + 1} tokens per request {verify_gpu:.1f} ms ({verify_gpu / plain_gpu:.1f}x: still "
+          "memory-bound, as cheap as a plain step).")
     rows = []
-    for name, cost, tokens in (("full", plain_ms, k + 1),
-                               ("streaming", draft_ms, s["tokens_per_verification"])):
-        cycle = k * cost + verify_ms
-        rows.append([name, round(tokens, 2), round(cycle, 1), round(tokens * plain_ms / cycle, 2)])
-    table(["drafter", "tokens per cycle", "cycle ms", "speed-up vs plain"], rows)
-    print(f"The full-attention drafter gains nothing: {k} drafts at the cost of a plain step each, then a "
-          f"verification. The sparse drafter's steps read ~5% of the KV; with the acceptance measured above it runs at "
-          f"{rows[1][3]}x plain decoding. On this CPU, at a few hundred tokens of context, the weights dominate every "
-          "step, so the wall-clock times above show no saving.")
+    for name, cost, n in (("full", plain_gpu, k + 1), ("streaming", draft_gpu, tokens)):
+        cycle = k * cost + verify_gpu
+        rows.append([name, round(n, 2), round(cycle, 1), f"{n * plain_gpu / cycle:.2f}x"])
+    table(["drafter", "tokens per cycle", "cycle ms", "modelled speed-up"], rows)
+    print("\nMeasured on an H200 (BENCHMARKS.md; a verification is NOT a plain step's cost):")
+    table(MEASURED_HEADERS, measured_rows(8))
+    print("lock-step = (a + 1) x plain / (k x draft + verification); balanced and ceiling: tutorial 04 and 07. "
+          + MODEL_LEAVES_OUT)
+    print(PAYS_TODAY)
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = list(range(1, len(at_least) + 1))
+        ax.plot(x, at_least, marker="o", label="P(at least j drafts accepted)")
+        ax.plot(x, given, marker="s", label="P(draft j accepted | drafts before it accepted)")
+        ax.set(xlabel="draft position j", ylabel="probability", ylim=(0, 1.05),
+               title=f"StreamingLLM drafts, budget {budget}, k = {k}")
+        ax.legend(fontsize=8)
+
+    save_plot(args, "02_acceptance_by_position", draw)
 
 
 if __name__ == "__main__":
