@@ -19,7 +19,8 @@ tools, and says how to read their numbers and where to run them for real. Number
 2. The same with --json: text, token ids and stats per request, plus the run's stats. The script prints each stats
    field next to its meaning: output_tokens, tokens_per_second, steps (forward passes), verifications (with at least
    one draft), mean_accepted, tokens_per_verification (= mean_accepted + 1), accepted_histogram (how many
-   verifications accepted 0..k drafts) and acceptance_by_position (P(draft j accepted | all before it accepted)).
+   verifications accepted 0..k drafts) and acceptance_by_position (entry j: the share of the verifications that
+   offered draft j + 1 which accepted at least j + 1 drafts; unconditional, so it falls with j).
    Skipped with --quick.
 
 3. The benchmark, `python -m nano_sparsespec.tools.bench`: the same requests through each row, one SparseSpec piece added
@@ -33,21 +34,27 @@ tools, and says how to read their numbers and where to run them for real. Number
    and a verification writes accepted + 1 tokens); 'GB/s' is the bytes the row had to read by the byte model of
    tutorial 00 over its seconds, and '% of peak BW' its share of the roofline; '= plain' counts requests identical to
    the plain row (greedy: all). On this CPU, with a small model at short context, every step is bound by the
-   weights and per-step overheads, so speculation loses here, exactly as tutorials 00 and 02 predict: its gains live
-   on a GPU at long context.
+   weights and per-step overheads, so speculation loses here, as tutorial 02 measures. It pays on one CPU thread at
+   long contexts (pillar-lookup with balanced batching: 1.41x plain at 8 x 4,096 in BENCHMARKS.md).
 
 4. On a GPU: the same commands with --device cuda --dtype bfloat16, plus --cuda-graphs --compile (the fast GPU
    path: compiled kernels, each decode step replayed as one CUDA graph); a bench run at batch 64 and 2048 new
    tokens; and `--profile-steps`, which times one plain, one draft and one verification step at given batch x
    context shapes and prints the ceiling there: (accepted + 1) / (k + 1) x a plain step over a plain step with next
    to nothing to attend to. Below 1x, no drafter that runs the model's layers can pay at that shape (the embedded
-   model on an H200 at 2,048 positions: ~1.0x; a Qwen3-8B shape at 8,000: 2.7x).
+   model on an H200 at 2,048 positions: ~1.0x; a Qwen3-8B shape at 8,000: 2.7x). The script prints the step costs
+   an H200 measured (BENCHMARKS.md): a verification costs 6.4-6.8x a plain step where the roofline model says ~1x,
+   and the lock-step and balanced cycles built from them reach 0.37-0.77x plain. It names what the model leaves out
+   (the verification's score pass, a step's fixed cost, gathers, the bandwidth actually reached, idle slots) and
+   where SparseSpec pays today: not on the H200 (full SparseSpec 0.23x plain at 128 x 2,048), but on one CPU thread
+   at long contexts (1.41x at 8 x 4,096).
 
 5. A real Qwen3 checkpoint: the package never downloads anything. Fetch one yourself (e.g. `huggingface-cli download
    Qwen/Qwen3-8B --local-dir /models/Qwen3-8B`) and pass --model /models/Qwen3-8B, or LLM('/models/Qwen3-8B', ...)
    from Python. The script prints what it needs: 16.4 GB of bf16 weights plus 144 KiB of KV per token, about
    0.85 M tokens of KV on an H200.
 
+Plot: tutorials/out/07_verification_cost.png, a verification's cost in plain steps, modelled against measured.
 With --quick the CLI and the benchmark run on a tiny random model (8 tokens; the bench with 2 requests).
 """
 from __future__ import annotations
@@ -64,8 +71,9 @@ import os
 import shlex
 import subprocess
 
-from tutorials._common import SHORT_PROMPTS, parser, section, start, table, tiny_model_dir
-from tutorials._roofline import GB, H200, QWEN3_8B, kv_bytes_per_token, weight_bytes_per_step
+from tutorials._common import SHORT_PROMPTS, parser, save_plot, section, start, table, tiny_model_dir
+from tutorials._roofline import (GB, H200, MEASURED_H200, MEASURED_HEADERS, MODEL_LEAVES_OUT, PAYS_TODAY, QWEN3_8B,
+                                 kv_bytes_per_token, measured_rows, modelled_verify_ratio, weight_bytes_per_step)
 
 STATS = {   # what the --json "stats" fields mean
     "output_tokens": "tokens written, all requests",
@@ -75,7 +83,7 @@ STATS = {   # what the --json "stats" fields mean
     "mean_accepted": "drafts accepted per verification (out of k)",
     "tokens_per_verification": "mean_accepted + 1: the verifier always adds one token of its own",
     "accepted_histogram": "how many verifications accepted 0, 1, ..., k drafts",
-    "acceptance_by_position": "P(draft j accepted | drafts before it accepted)",
+    "acceptance_by_position": "entry j: share of verifications (offering draft j+1) that accepted >= j+1 drafts",
 }
 
 
@@ -149,11 +157,15 @@ def main(argv=None) -> None:
           "a bucket shape, is one upload of its index lists and one replay of a CUDA graph that builds the step's "
           "tensors, runs the model, samples and verifies (cuda_graphs.py); without them every kernel is launched "
           "from Python and the GPU mostly waits. --async overlaps the host's bookkeeping with the "
-          "device (tutorial 05); --kv-blocks bounds the device pool (tutorial 06). Expect the gains where tutorial "
-          "00 says the step is memory-bound: long contexts and large batches. --profile-steps says how far they can "
-          "go at a shape: its 'ceiling' column is (accepted + 1) / (k + 1) x a plain step over a plain step with next "
-          "to nothing to attend to (no step that runs the model's layers costs less); where attention is a small "
-          "part of a plain step it is near or below 1x, and no drafter can pay there.")
+          "device (tutorial 05); --kv-blocks bounds the device pool (tutorial 06). --profile-steps times one plain, "
+          "draft, verification and mixed step at a shape; its 'ceiling' column is (accepted + 1) / (k + 1) x a plain "
+          "step over a plain step with next to nothing to attend to (no step that runs the model's layers costs "
+          "less); where attention is a small part of a plain step it is near or below 1x, and no drafter can pay "
+          "there. What those profiles measured on an H200 (BENCHMARKS.md), next to the roofline model's 1x "
+          "verification:")
+    table(MEASURED_HEADERS, measured_rows(8))
+    print(MODEL_LEAVES_OUT)
+    print(PAYS_TODAY)
 
     section("5. A real Qwen3 checkpoint")
     weights = weight_bytes_per_step(QWEN3_8B, 2) + QWEN3_8B.vocab_size * QWEN3_8B.hidden_size * 2
@@ -166,6 +178,19 @@ def main(argv=None) -> None:
           f"{(H200[2] - weights) / kv_bytes_per_token(QWEN3_8B, 2) / 1e6:.2f} M tokens of KV. Any Qwen3 or "
           "Llama-family directory with config.json, *.safetensors and tokenizer files loads the same way; "
           "from Python: LLM('/models/Qwen3-8B', device='cuda', method='pillar', async_verify=True).")
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        x, width = range(len(MEASURED_H200)), 0.38
+        shapes = MEASURED_H200.values()
+        ax.bar([i - width / 2 for i in x], [modelled_verify_ratio(cfg, b, c) for cfg, b, c, *_ in shapes], width,
+               label="roofline model")
+        ax.bar([i + width / 2 for i in x], [ms[2] / ms[0] for *_, ms, _ in shapes], width, label="measured on an H200")
+        ax.set_xticks(list(x), [name.replace(", ", "\n") for name in MEASURED_H200], fontsize=8)
+        ax.set(ylabel="verification / plain step", title="What a verification (k + 1 = 9 rows) costs, in plain steps")
+        ax.legend(fontsize=8)
+
+    save_plot(args, "07_verification_cost", draw)
 
 
 if __name__ == "__main__":
