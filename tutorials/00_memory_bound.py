@@ -95,8 +95,9 @@ def matmul_flops(n: int, repeats: int) -> float:
     return 2 * n**3 / best
 
 
-def measure_decode_ms(llm, batch: int, context: int, new_tokens: int) -> float:
-    """Median seconds of the engine's pure decode steps (every request decoding) for `batch` prompts of `context`."""
+def decode_step_ms(llm, batch: int, context: int, new_tokens: int) -> list[float]:
+    """Milliseconds of the engine's pure decode steps (every request decoding) for `batch` prompts of `context`; the
+    first decode step after the prefill is left out (a warm-up: it touches the freshly written KV)."""
     vocab = llm.model.config.vocab_size
     prompts = [random_prompt(context, vocab, seed=i) for i in range(batch)]
     with_spec(llm, method="plain", prefill_chunk=batch * context)        # prefill everything in one step
@@ -104,7 +105,19 @@ def measure_decode_ms(llm, batch: int, context: int, new_tokens: int) -> float:
     llm.generate(None, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), prompt_token_ids=prompts,
                  on_step=log.record)
     decode = [d for s, d in zip(log.steps, log.durations()) if set(s.actions.values()) == {"V"}]
-    return 1e3 * statistics.median(decode)
+    return [1e3 * d for d in decode[1:]]
+
+
+def measure_decode_ms(llm, grid, new_tokens: int, repeats: int) -> dict[tuple[int, int], float]:
+    """(batch, context) -> median ms of a decode step. One warm-up run first; then `repeats` rounds over the whole
+    grid, so that a burst of load from another process on a shared machine spreads over every shape instead of
+    landing on one; the median of all of a shape's steps."""
+    decode_step_ms(llm, *grid[0], new_tokens)                              # warm-up: first-call costs
+    steps = {shape: [] for shape in grid}
+    for _ in range(repeats):
+        for shape in grid:
+            steps[shape] += decode_step_ms(llm, *shape, new_tokens)
+    return {shape: statistics.median(ms) for shape, ms in steps.items()}
 
 
 def main(argv=None) -> None:
@@ -159,12 +172,14 @@ def main(argv=None) -> None:
     model_cfg, itemsize = llm.model.config, llm.model.embed_tokens.weight.element_size()
     m_bytes, m_kv = weight_bytes_per_step(model_cfg, itemsize), kv_bytes_per_token(model_cfg, itemsize)
     print(f"weights read per step: {m_bytes / 1e6:.0f} MB; KV per token: {m_kv / 1024:.1f} KiB")
-    new_tokens = 4 if args.quick else 8
+    new_tokens, repeats = (4, 2) if args.quick else (6, 3)
     grid = ([(1, 32), (1, 256), (4, 32)] if args.quick else
             [(1, 64), (1, 512), (1, 2048), (4, 256), (16, 256)])
+    timed = measure_decode_ms(llm, grid, new_tokens, repeats)
+    print(f"each shape: the median of its decode steps over {repeats} runs, interleaved with the other shapes', "
+          f"after a warm-up run")
     rows, measured = [], []
-    for batch, context in grid:
-        ms = measure_decode_ms(llm, batch, context, new_tokens)
+    for (batch, context), ms in timed.items():
         kv = batch * context * m_kv
         bound = roofline_ms(m_bytes + kv, flops_per_step(model_cfg, batch, batch * context, m_bytes // itemsize),
                             cpu_bw, cpu_flops)
