@@ -14,7 +14,7 @@ o_proj and MLP, final norm, LM head). Every later tutorial's engine call is this
 3. Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept x ~ q with probability min(1, p(x)/q(x)),
    else sample normalize(max(0, p - q)). Over many seeded trials the output matches p by a chi-square test,
    although the drafts come from a very different q (the raw drafts fail the same test).
-4. Sparse drafts (PillarAttn, SparseSpec section 3): the verification's attention probabilities, averaged over its
+4. Sparse drafts (PillarAttn, the paper's drafter): the verification's attention probabilities, averaged over its
    rows and each KV head's query heads, rank the context; each (layer, KV head) keeps its top-B positions and the
    next k drafts attend to those plus the tokens written since. The drafts' approximate K/V is dropped and
    recomputed by the verification, so greedy output equals plain decoding token for token (asserted); acceptance
