@@ -33,15 +33,21 @@ Numbers quoted below come from one default run on a shared 2-core cloud VM; timi
 
 3. Measured decode steps on this CPU. The embedded SmolLM2-135M in float32 reads 538 MB of weights per step and
    45 KiB of KV per token. For each (batch, context) the script runs plain decoding through the real engine on
-   random prompt tokens and takes the median time of the steps in which every request decodes (`StepLog`):
+   random prompt tokens and times the steps in which every request decodes (`StepLog`). After one warm-up run it
+   runs every shape 3 times, the shapes interleaved so that a burst of load from another job spreads over all of
+   them, and reports the median step (the first decode step of each run left out). In a run on the same VM under
+   heavy load from other jobs (its copy bandwidth measured 6.6 GB/s, so the roofline column is higher):
        batch  context  KV MB  roofline ms  measured ms  measured/roofline
-           1       64    2.9         30.5          100                3.3
-           1    2,048   94.4         35.7          145                4.1
-          16      256    189           68          322                4.7
-   The roofline is max(bytes / copy bandwidth, FLOPs / matmul speed). A real step here is 3-5x slower than that:
-   one CPU thread also pays for Python, for dozens of small kernels per layer and for attention written in plain
-   torch. The trends are the lesson. At batch 1, context 64 -> 2048 makes the step 1.4x slower with the same
-   weights; at batch 16 a token costs 20 ms against 100 at batch 1, because the weights are read once per step.
+           1       64    2.9         82.4          109                1.3
+           1      512   23.6         85.5          116                1.4
+           1    2,048   94.4         96.3          149                1.5
+          16      256    189          111          361                3.3
+   The roofline is max(bytes / copy bandwidth, FLOPs / matmul speed). A real step here is slower than that: one
+   CPU thread also pays for Python, for dozens of small kernels per layer and for attention in plain torch. The
+   trends are the lesson. At batch 1, context 64 -> 2048 makes the step 1.4x slower with the same weights; at
+   batch 16 a token costs 23 ms against 109 at batch 1, because the weights are read once per step. A single
+   timed step can mislead on a shared machine (one earlier version, timing a handful of steps without warm-up,
+   once measured context 512 slower than context 2,048): that is why the script warms up and takes medians.
 
 With matplotlib installed it also saves tutorials/out/00_roofline.png: the H200 tokens/s bound against context for
 batch 1 to 128, drawn only where the weights and the KV fit in 141 GB. With --quick the Qwen3-8B tables are the same

@@ -23,8 +23,8 @@ tools, and says how to read their numbers and where to run them for real. Number
    offered draft j + 1 which accepted at least j + 1 drafts; unconditional, so it falls with j).
    Skipped with --quick.
 
-3. The benchmark, `python -m nano_sparsespec.tools.bench`: the same requests through each row, one SparseSpec piece added
-   at a time (plain; pillar-naive; +balanced; +async, which also bounds the KV pool), here 4 requests, 24 tokens,
+3. The benchmark, `python -m nano_sparsespec.tools.bench`: the same requests through each row, one SparseSpec piece
+   added at a time (plain; pillar-naive; +balanced; +async, which also bounds the KV pool), here 4 requests, 24 tokens,
    k = 4. It prints a markdown table; in the quoted run:
        | row          | tok/s | vs plain | accepted / k | GB/s | ... | steps | offloads / restores | = plain |
        | plain        |  19.3 |    1.00x | -            | 2.68 | ... |    24 | -                   |     4/4 |
