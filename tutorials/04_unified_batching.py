@@ -162,7 +162,7 @@ def main(argv=None) -> None:
           "cores idle (memory-bound); the balanced step mixes both and sits near the roofline every step. At long "
           "context every step is memory-bound and both policies read the same bytes, so the gain vanishes.")
     print("\nThat model costs a verification's k + 1 rows like k + 1 tokens of any step. Measured on an H200 "
-          "(BENCHMARKS.md) a verification costs 6-7x a plain step, and a mixed step carries that cost every step:")
+          "(BENCHMARKS.md) a verification costs 6-7x a plain step, and every mixed step carries one share of that cost:")
     table(MEASURED_HEADERS, measured_rows(8))
     print("lock-step = (a + 1) x plain / (k x draft + verification), balanced = (a + 1) / (k + 1) x plain / mixed: "
           "measured, balanced batching is slower than lock-step at every shape (0.64x against 0.77x at 512 x 4,096), "

@@ -187,8 +187,9 @@ def main(argv=None) -> None:
                label="roofline model")
         ax.bar([i + width / 2 for i in x], [ms[2] / ms[0] for *_, ms, _ in shapes], width, label="measured on an H200")
         ax.set_xticks(list(x), [name.replace(", ", "\n") for name in MEASURED_H200], fontsize=8)
-        ax.set(ylabel="verification / plain step", title="What a verification (k + 1 = 9 rows) costs, in plain steps")
-        ax.legend(fontsize=8)
+        ax.set(ylabel="verification / plain step", ylim=(0, 8.5),
+               title="What a verification (k + 1 = 9 rows) costs, in plain steps")
+        ax.legend(fontsize=8, loc="upper left")
 
     save_plot(args, "07_verification_cost", draw)
 
