@@ -15,8 +15,8 @@ template) greedily, 64 new tokens, with the embedded SmolLM2-135M, after a short
 medians over each run's steps. The numbers quoted below come from one default run on a 2-core cloud VM shared with
 other jobs; yours will differ (by 2x or more on a loaded machine), the shape of the result should not.
 
-1. Plain decoding: one model step per token. 64 tokens in 64 steps, the median step's time, and the start of the
-   answer ('To solve this problem, we need to break it down ...').
+1. Plain decoding: one model step per token. 64 tokens in 64 steps (8.5 s; the median step 114 ms), and the start
+   of the answer ('To solve this problem, we need to break it down ...').
 
 2. Self-drafting with full attention (method='full', k = 8). 64 tokens in 64 steps, 8.0 of 8.0 drafts accepted per
    verification: the drafter IS the target, so it is never wrong. But k drafts plus the verification make k + 1
@@ -43,11 +43,11 @@ other jobs; yours will differ (by 2x or more on a loaded machine), the shape of 
 
 5. What a cycle costs, three ways. A cycle of k drafts and one verification writes (accepted + 1) tokens, so
    speculation runs at (accepted + 1) x plain / (k x draft + verification) of plain decoding's speed.
-   - This CPU, with the medians measured above: the script prints the draft and the verification over a plain step
-     and that ratio, next to the runs' wall-clock ratio. At ~280 positions the weights are most of a CPU step: a
-     draft saves only the attention it skips, every rejected draft is a step spent for nothing, and speculation
-     loses or breaks even here (in one run of the embedded model streaming took 24.0 s against plain's 11.3 s; on
-     a loaded machine another gave 29.8 against 29.2 s).
+   - This CPU, with the medians measured above: plain 114 ms, a streaming draft 84 ms (0.74x), a verification
+     205 ms (1.8x). A cycle of 8 drafts and a verification costs 879 ms for 2.86 tokens: 0.37x plain by these step
+     costs, and over the runs streaming took 21.0 s against plain's 8.5 s (0.40x). At ~280 positions the weights
+     are most of a CPU step: a draft saves only the attention it skips, and every rejected draft is a step spent
+     for no token, so speculation loses here.
    - The roofline model of tutorial 00 (`_roofline.py`), Qwen3-8B on an H200, batch 32 at 32K context: plain 39.5
      ms, a draft over 5% of the KV 5.3 ms, a verification of 9 tokens per request 39.5 ms, 1x a plain step (still
      memory-bound). By this model streaming drafts would run at 1.38x plain, full drafts at 1.00x.
