@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = llm.last_stats.summary(args.stride)
     if args.json:
         print_json(outputs, stats)
-    elif stream and not outputs[0].error:
-        print(flush=True)
+    elif stream:
+        print(end="" if outputs[0].error else "\n", flush=True)
     else:
         for i, o in enumerate(outputs):
             print(f"{header(i, o.prompt)}\n{f'error: {o.error}' if o.error else o.text}\n")
