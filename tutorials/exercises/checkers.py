@@ -74,10 +74,17 @@ def check_2(m) -> None:
         n, token = int(ref_n[case]), int(ref_token[case])
         u_next = float(u_bonus[case] if n == K else u_residual[case])
         got = m.verify_one(p[case], q[case], draft[case], u_accept[case], u_next)
-        assert int(got[0]) == n, f"case {case}: num_accepted {int(got[0])}, the package accepts {n} " \
-                                 f"(accept draft j while u_accept[j] * q[j, x_j] < p[j, x_j])"
-        assert int(got[1]) == token, f"case {case}: token {int(got[1])}, the package emits {token} after " \
-                                     f"{n} accepted ({'bonus from p[K]' if n == K else 'residual max(0, p - q)'})"
+        if int(got[0]) != n:
+            j = min(int(got[0]), n)               # the first draft on which you and the package disagree
+            x = int(draft[case, j]) if j < K else None
+            raise AssertionError(
+                f"case {case}: you keep {int(got[0])} of {K} drafts, the package keeps {n}" + (
+                    f"; draft {j} (token {x}): target p = {float(p[case, j, x]):.4f}, drafter q = "
+                    f"{float(q[case, j, x]):.4f}, u_accept = {float(u_accept[case, j]):.4f}: the package "
+                    f"{'keeps' if n > j else 'rejects'} it" if x is not None else ""))
+        what = f"the bonus, sampled from p[{K}]" if n == K else f"a replacement, sampled from the residual at draft {n}"
+        assert int(got[1]) == token, f"case {case}: after {n} kept drafts you emit token {int(got[1])}, the " \
+                                     f"package emits {token}: {what} with u_next = {u_next:.4f}"
     passed(f"{cases} random cases give the same accepted count and token as verifier.verify_rejection")
 
     # Lossless: whatever q, the first emitted token is distributed as p[0].
