@@ -92,7 +92,7 @@ def _victim(oldest=False, ignore_scheduled=False, no_last_guard=False, ignore_aw
 
 def _sparse(one_head_per_group=False, modulo_groups=False, softmax_over_all=False, no_scale=False):
     def attend_selected(q, k, v, selected):
-        (H, D), (L, n_kv, _) = q.shape, k.shape
+        (H, D), n_kv = q.shape, k.shape[1]
         G = H // n_kv
         out = torch.empty_like(q)
         for h in range(H):
