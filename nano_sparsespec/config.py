@@ -169,6 +169,8 @@ class SpecConfig:
     sink_tokens    sink positions kept by the streaming policy
     lookup_matches pillar-lookup: earlier positions of the draft's input token (and the one after
                    each) that replace the lowest-ranked critical ones; None: `num_lookups`
+    keep_accepted  pillar, pillar-lookup: the positions a verification just accepted join the next
+                   selection first, in place of its lowest-ranked positions (the budget stays)
     ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
     batch_policy   naive (all requests verify on the same step) or balanced (staggered)
     async_verify   delayed verification: a request that verifies at step t sits out step t+1
@@ -183,6 +185,7 @@ class SpecConfig:
     min_budget: int = 128
     sink_tokens: int = 4
     lookup_matches: int | None = None
+    keep_accepted: bool = False
     ngram_max: int = 4
     ngram_min: int = 2
     batch_policy: str = "balanced"

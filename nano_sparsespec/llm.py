@@ -2,14 +2,19 @@
 
 Owns loading a model (the embedded default, a .gguf file or a HF directory), tokenizing with the chat
 template, sizing the KV pools, running an `Engine` over a batch and returning `RequestOutput`s. A bad
-request becomes an output with `error` set; the other requests still complete.
+request (an empty or whitespace-only prompt, one too long for the context, ...) becomes an output
+with `error` set; the other requests still complete. Also `read_prompts_file`, the prompts-file
+format that the CLI and the tools share.
 
 Must not hold engine logic (async_loop.py) or CLI printing (generate.py).
 """
 from __future__ import annotations
 
+import json
 import random
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,6 +46,59 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`device` (None: `default_device()`) as a torch.device; ValueError naming it when this torch
+    build cannot use it (an unknown name, CUDA on a CPU-only build or without a GPU)."""
+    try:
+        resolved = torch.device(device or default_device())
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: expected e.g. 'cpu', 'cuda' or 'cuda:1' "
+                         f"({e})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise ValueError(f"device {device!r} is not available: {why} (use --device cpu)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available: "
+                             f"{torch.cuda.device_count()} CUDA device(s) visible")
+    return resolved
+
+
+def read_prompts_file(path: str, field: str = "prompt") -> list[str]:
+    """The prompts of `path`: JSONL with a string `field` per line (when the first non-blank line
+    starts with "{"), or plain text with one prompt per non-blank line.
+
+    ValueError naming the file (and line) when it is missing, unreadable, not UTF-8, or a JSON line
+    is broken, not an object, or lacks a string `field`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"prompts file not found: {path!r}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts file {path!r} is not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
+    except OSError as e:
+        raise ValueError(f"cannot read prompts file {path!r}: {e.strerror or e}") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines or not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}): "
+                             f"{line[:80]!r}") from None
+        if not isinstance(record, dict) or field not in record:
+            raise ValueError(f"{path}:{n}: no {field!r} field in {line[:80]!r}")
+        if not isinstance(record[field], str):
+            raise ValueError(f"{path}:{n}: the {field!r} field is not a string: "
+                             f"{record[field]!r:.80}")
+        prompts.append(record[field])
+    return prompts
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,7 +123,7 @@ class LLM:
         self.spec = SpecConfig(**spec_kwargs)
         self.cuda_graphs = cuda_graphs
         self.runner_class = runner_class    # a ModelRunner subclass may change what a step reads out
-        self.device = torch.device(device or default_device())
+        self.device = resolve_device(device)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)}")
@@ -83,6 +141,7 @@ class LLM:
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """`prompt`'s token ids (through the chat template, when the tokenizer has one)."""
         if self.tokenizer is None:
             raise ValueError(f"model directory {str(self.model_path)!r} has no tokenizer: pass prompt_token_ids")
         if chat_template and self.tokenizer.chat_template:
@@ -113,8 +172,14 @@ class LLM:
         the run (`async_loop.Observers`): each step launched, each commit, each refreshed selection."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        bad_prompts = {}                       # request index -> why its prompt text is refused
         if prompt_token_ids is None:
-            prompt_token_ids = [self.encode(p, chat_template) for p in prompts]
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str) or not p.strip():
+                    bad_prompts[i] = (f"empty prompt {p!r}: a prompt needs some text"
+                                      if isinstance(p, str) else f"prompt {p!r} is not a string")
+            prompt_token_ids = [[] if i in bad_prompts else self.encode(p, chat_template)
+                                for i, p in enumerate(prompts)]
         prompts = prompts or [""] * len(prompt_token_ids)
         if params is None:
             params = SamplingParams()
@@ -131,21 +196,41 @@ class LLM:
                         self.runner_class)
         for seq in seqs:
             try:
+                if seq.seq_id in bad_prompts:
+                    raise ValueError(bad_prompts[seq.seq_id])
                 engine.add(seq)
             except ValueError as e:
-                seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", f"request {seq.seq_id}: {e}"
-        bar = tqdm(total=sum(s.params.max_new_tokens for s in seqs if s.error is None), unit="tok",
-                   disable=not progress, dynamic_ncols=True)
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+                seq.error = f"request {seq.seq_id}: {e}"
+        # The bar counts each request's most tokens; one that ends early is credited the rest.
+        most = {s.seq_id: min(s.params.max_new_tokens, engine.max_len - s.num_prompt)
+                for s in seqs if s.error is None}
+        unsettled = [s for s in seqs if s.error is None]
+        bar = tqdm(total=sum(most.values()), unit="tok", disable=not progress, dynamic_ncols=True,
+                   file=sys.stderr)
+
+        def settle() -> None:
+            for seq in [s for s in unsettled if s.status == Status.FINISHED]:
+                bar.update(max(0, most[seq.seq_id] - seq.num_output))
+                unsettled.remove(seq)
+
+        def step(event: StepEvent) -> None:
+            settle()
+            if on_step is not None:
+                on_step(event)
 
         def commit(seq: Sequence, tokens: list[int], accepted: int) -> None:
             bar.update(len(tokens))
-            if progress:
-                bar.set_postfix_str(f"{bar.n / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
             if on_commit is not None:
                 on_commit(seq, tokens, accepted)
 
-        self.last_stats = engine.run(Observers(on_step, commit, on_selection))
-        bar.close()
+        try:
+            self.last_stats = engine.run(Observers(step if progress else on_step, commit,
+                                                   on_selection))
+            settle()
+            bar.update(max(0, bar.total - bar.n))
+        finally:
+            bar.close()
         return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
 
     def _output(self, seq: Sequence, prompt: str) -> RequestOutput:
@@ -153,6 +238,9 @@ class LLM:
         for stop in seq.params.stop:
             if stop in text:
                 text = text[:text.index(stop)]
-        stats = acceptance_summary(seq.accepted_counts, seq.drafts_per_verify, self.spec.stride)
+        stats = {"output_tokens": len(seq.output_ids) if seq.error is None else 0}
+        if self.spec.method != "plain":
+            stats.update(acceptance_summary(seq.accepted_counts, seq.drafts_per_verify,
+                                            self.spec.stride))
         return RequestOutput(seq.seq_id, prompt, text, seq.output_ids if seq.error is None else [],
                              seq.finish_reason, seq.error, seq.num_prompt, stats)

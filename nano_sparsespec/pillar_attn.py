@@ -87,3 +87,30 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
         positions = torch.cat([torch.arange(sinks, device=device),
                                torch.arange(context_len - (budget - sinks), context_len, device=device)])
     return positions.expand(num_layers, num_kv_heads, -1)
+
+
+def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch.Tensor,
+               keep_valid: torch.Tensor) -> torch.Tensor:
+    """A ranked selection with the `keep` positions ranked first, the budget unchanged.
+
+    selection: [B, L, n_kv, N] positions best first, the first selection_len [B] of them real;
+    keep: [B, M] positions (those with keep_valid [B, M] set; distinct, inside the context)
+    -> [B, L, n_kv, N]: per (layer, KV head) the valid keep positions, then the selection's other
+    positions in rank order, selection_len in all (its lowest-ranked ones make room)."""
+    B, L, n_kv, N = selection.shape
+    M = keep.shape[1]
+    held = ((selection[..., None] == keep[:, None, None, None, :])
+            & keep_valid[:, None, None, None, :]).any(-1)                          # [B, L, n_kv, N]
+    real = (torch.arange(N, device=selection.device)[None, :] < selection_len[:, None])[:, None, None]
+    others = real & ~held
+    first = keep_valid.sum(1)[:, None, None, None]                                 # [B, 1, 1, 1]
+    limit = selection_len[:, None, None, None]
+    target = torch.where(others, first + others.cumsum(-1) - 1, N)                 # after the kept
+    target = torch.where(target < limit, target, N)                                # N: dropped
+    merged = torch.zeros(B, L, n_kv, N + 1, dtype=selection.dtype, device=selection.device)
+    merged.scatter_(-1, target, selection)
+    rank = torch.where(keep_valid, keep_valid.cumsum(1) - 1, N)                    # [B, M]
+    rank = torch.where(rank < selection_len[:, None], rank, N)
+    merged.scatter_(-1, rank[:, None, None, :].expand(B, L, n_kv, M),
+                    keep[:, None, None, :].expand(B, L, n_kv, M))
+    return merged[..., :N]

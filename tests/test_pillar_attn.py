@@ -579,6 +579,37 @@ def test_pillars_from_gqa_averaged_probabilities():
     assert sel[0, 0].tolist() == [3, 2, 5] and sel[0, 1].tolist() == [1, 0, 4]
 
 
+def test_keep_first_ranks_the_kept_positions_first_within_the_budget():
+    """`keep_first`: the kept positions lead, the selection's others follow in rank order without
+    duplicates, and the lowest-ranked make room, so each request keeps its own budget."""
+    from nano_sparsespec.pillar_attn import keep_first
+    selection = torch.tensor([[[[5, 3, 9, 1, 0, 0]]], [[[7, 2, 4, 6, 8, 0]]]])      # [B, L, n_kv, N]
+    keep = torch.tensor([[9, 10, 0], [1, 0, 0]])
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    out = keep_first(selection, torch.tensor([4, 5]), keep, valid)
+    assert out[0, 0, 0, :4].tolist() == [9, 10, 5, 3]
+    assert out[1, 0, 0, :5].tolist() == [1, 7, 2, 4, 6]
+
+
+@pytest.mark.parametrize("method", ["pillar", "pillar-lookup"])
+def test_keeping_the_accepted_positions_is_lossless(tiny_qwen3, prompts, plain_greedy, method):
+    """With `keep_accepted`, greedy speculation still equals plain greedy decoding, and every
+    selection holds the positions its verification just accepted."""
+    from conftest import GREEDY
+    from nano_sparsespec import LLM
+    seen = {}                              # request -> (verified context, selection) per refresh
+
+    def selected(seq, scores, chosen):
+        seen.setdefault(seq.seq_id, []).append((seq.num_verified, chosen))
+    llm = LLM(str(tiny_qwen3[0]), method=method, stride=4, min_budget=16, budget_ratio=0.1,
+              keep_accepted=True)
+    outs = llm.generate(None, GREEDY, prompt_token_ids=prompts, on_selection=selected)
+    assert [o.token_ids for o in outs] == plain_greedy
+    after_verification = [pair for refreshes in seen.values() for pair in refreshes[1:]]
+    assert after_verification
+    assert all((chosen == verified - 1).any(-1).all() for verified, chosen in after_verification)
+
+
 def test_select_streaming():
     sel = select_streaming(context_len=20, budget=8, sink_tokens=3, num_layers=2, num_kv_heads=N_KV)
     assert sel.shape == (2, N_KV, 8)

@@ -1,11 +1,13 @@
 """Exercise 4: the phase clock of the unified scheduler (balanced policy).
 
-Every decoding request owns a *verify slot* s in [0, P): at global step t it verifies when (t - s) % P == 0 and drafts
-otherwise, so it verifies once per cycle of P = k + 1 steps (k drafts, then the verification). With delayed
-verification (tutorial 04) the step after a verification is a stall, so P = k + 2, and a request whose result is
-still in flight sits the step out. The naive policy gives everyone slot 0: all verify on the same step. The balanced
-policy gives a request that finishes its prefill the least-loaded slot, so each step carries about B / P
-verifications (tutorial 03).
+Every decoding request repeats a cycle: k steps that each write one draft, then one step that verifies them. With
+delayed verification (tutorial 04) the verification's result is only known one step later, and the request, having
+nothing to draft from, spends that step waiting for it (a *stall*): the cycle has one step more. All requests share one
+global step counter, and every request owns a *verify slot* s, a position in the cycle: it verifies on global step s
+and then on every step a whole number of cycles away from it (before and after), and drafts on the others. The
+naive policy gives everyone slot 0: all verify on the same step. The balanced policy gives a request that finishes its
+prefill the least-loaded slot, so each step carries about B / P verifications for B requests and P steps per cycle
+(tutorial 03).
 
 Check your answer: python -m tutorials.check 4
 (reference: nano_sparsespec.scheduler.Scheduler: .period, .assign_slot, .action)
@@ -13,7 +15,7 @@ Check your answer: python -m tutorials.check 4
 
 
 def period(stride: int, async_verify: bool) -> int:
-    """Steps per cycle for stride k: k drafts + 1 verification (+ 1 stall step with delayed verification)."""
+    """Steps per cycle (P) for stride k, with or without delayed verification."""
     raise NotImplementedError("exercise 4: write period")
 
 
@@ -21,12 +23,12 @@ def choose_slot(live_slots: list[int], period: int) -> int:
     """The slot for a request that just finished its prefill.
 
     live_slots: the verify slots of the other requests that are decoding (one entry per request)
-    returns the slot in [0, period) that the fewest of them hold; on a tie, the lowest such slot
+    returns the slot in [0, period) held by the fewest of them; on a tie, the lowest such slot
     """
     raise NotImplementedError("exercise 4: write choose_slot")
 
 
 def action(step: int, slot: int, period: int, awaiting_result: bool) -> str:
-    """What a decoding request does at global step `step`: 'stall' while a result of its own is still in flight,
-    else 'verify' when step - slot is a multiple of period, else 'draft'."""
+    """What a decoding request with this slot does at global step `step`: 'verify', 'draft' or 'stall'.
+    awaiting_result: a verification of this request is still in flight (delayed verification)."""
     raise NotImplementedError("exercise 4: write action")

@@ -1,10 +1,18 @@
 """Exercise 5: the offload victim policy of the dynamic KV cache.
 
-When the next step's new KV does not fit the device pool, one whole request moves to the host pool (tutorial 05).
-Which one? The scheduler picks the most recently admitted request (the one that has made the least progress, and
-that would have waited had the pool been full when it arrived) among those that have work in this step and no result
-in flight: a request whose verification result has not been processed yet must stay, because processing it will
-touch its KV (roll back rejected drafts). It never offloads the last running request (the step must make progress).
+When the next step's new KV does not fit the device pool, one whole request moves to the host pool (tutorial 05): its
+work in this step is dropped and it comes back once the pool has room. Which one should go? The scheduler's answer
+follows from four concerns:
+
+  * progress: offloading must leave the step something to do. Nobody leaves when only one request runs, or when at
+    most one request has work in the step.
+  * usefulness: only a request that has work in the step makes the step need more blocks; offloading one of those
+    is what makes the step fit.
+  * safety: a request whose result (of a verification, or of its final prefill chunk) is still in flight must stay
+    on the device: processing that result touches its KV (rejected drafts are rolled back). With delayed
+    verification such a request usually sits the step out, but plain decoding runs ahead and has work anyway.
+  * fairness: of the requests that may go, the most recently admitted one leaves. It has made the least progress,
+    and it would have waited had the pool been full when it arrived.
 
 Check your answer: python -m tutorials.check 5
 (reference: the victims nano_sparsespec.scheduler.Scheduler.schedule really offloads)
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 class Candidate:
     seq_id: int
     admitted_at: int          # admission order: larger = admitted later
-    awaiting_result: bool     # a verification (or last prefill chunk) of it is still in flight
+    awaiting_result: bool     # a verification (or final prefill chunk) of it is still in flight
     scheduled: bool           # it has work (prefill chunk, draft or verification) in the step being planned
 
 
@@ -24,7 +32,5 @@ def pick_victim(running: list[Candidate]) -> int | None:
     """The seq_id of the request to offload, or None when no request may leave.
 
     running: every request holding the device (prefilling or decoding), in no particular order.
-    None when at most one request is running or at most one is scheduled; otherwise the most recently admitted
-    request that is scheduled and has no result in flight (None if there is no such request).
     """
     raise NotImplementedError("exercise 5: write pick_victim")
