@@ -66,8 +66,7 @@ class StepResult:
     copied: torch.cuda.Event | None = None  # recorded right after that copy (CUDA only)
 
     def start_copy(self) -> None:
-        """Queue the copy of `packed` to the host right behind this step's own work (queued
-        behind step t+1, it would wait for that step too)."""
+        """Queue `packed`'s copy to the host right behind this step (not behind step t+1)."""
         if self.packed.device.type == "cuda":
             self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
             self.host.copy_(self.packed, non_blocking=True)   # pinned: an asynchronous copy
@@ -89,8 +88,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig,
                  cuda_graphs: bool = False):
         self.model, self.cache, self.spec = model, cache, spec
-        cfg = model.config
-        self.device = cache.device
+        cfg, self.device = model.config, cache.device
         self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
         rows, k = spec.max_batch, max(spec.stride, 1)
         long = dict(dtype=torch.long, device=self.device)
@@ -118,9 +116,8 @@ class ModelRunner:
         self.selection_len = self.step_lists.selection_len  # [rows] critical positions per row
         # pillar-lookup: each row's critical positions in rank order (`kept_beside_lookups`)
         self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
-        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv,
-                                     self.selection_room if self.lookups else 0,
-                                     **long)                            # [rows + 1, L, n_kv, N]
+        width = self.selection_room if self.lookups else 0          # [rows + 1, L, n_kv, width]
+        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
         # Draft buffers, per row: K/V of its critical positions, its lookups, then its drafts'
         # (`selection_room` + `lookups` + k columns); made by the first selection or draft step.
         self.draft_k: torch.Tensor | None = None                       # [L, rows + 1, n_kv, C, D]
@@ -131,8 +128,7 @@ class ModelRunner:
         self.params_sent = [-1] * rows                                  # seq_id holding a row
 
     def _widen(self, buffer: torch.Tensor, width: int) -> torch.Tensor:
-        """`buffer` [..., w] itself, or a zero-padded copy at least twice as wide for `width`
-        columns (a new address: the recorded graphs are dropped)."""
+        """`buffer` [..., w] itself, or a copy twice as wide for `width` (graphs dropped)."""
         if width <= buffer.shape[-1]:
             return buffer
         grown = buffer.new_zeros(*buffer.shape[:-1], max(width, 2 * buffer.shape[-1]))
@@ -142,8 +138,7 @@ class ModelRunner:
         return grown
 
     def _widen_draft_buffers(self, selection_width: int) -> None:
-        """Make the draft buffers wide enough for selections of `selection_width` positions,
-        keeping what they hold (like `_widen`, a copy drops the recorded graphs)."""
+        """Make the draft buffers wide enough for `selection_width` positions (as `_widen`)."""
         columns = round_up(selection_width + self.lookups + round_up(self.spec.stride, 8), 8)
         old = (self.draft_k, self.draft_v)
         had = 0 if old[0] is None else old[0].shape[-2]
@@ -160,8 +155,7 @@ class ModelRunner:
     # --- critical positions ------------------------------------------------------------------
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
-        """Store each request's critical positions [L, n_kv, n] for its next drafts and copy their
-        K/V into its row of the draft buffers (padded past `selection_len`)."""
+        """Store each request's critical positions [L, n_kv, n]; copy their K/V to its drafts'."""
         widths = [p.shape[-1] for p in positions]
         n = max(widths)
         # room for the longest context's budget: growing budgets do not widen again
@@ -267,7 +261,6 @@ class ModelRunner:
         self._send_sampling_params(seqs)
         upload = Packed(lists, self.device)
         dev = upload.views()
-
         # every column in use came in a change once: the changes (and the dense context) say width
         self._apply_table_changes(dev.get("table_changes"),
                                   max([shape.dense_blocks] + [col + 1 for _, col, _ in changes]))
@@ -307,15 +300,16 @@ class ModelRunner:
 
     # --- the step's tensors, on the device ---------------------------------------------------
     def _dense_batch(self, shape: StepShape, dev: dict[str, torch.Tensor]) -> DenseBatch:
-        Q, L = shape.dense_queries, shape.dense_blocks * self.cache.block_size
+        bs = self.cache.block_size
+        Q, L = shape.dense_queries, shape.dense_blocks * bs
         starts, q_lens = dev["dense_start"], dev["dense_q_len"]                    # [Bd]
         qi = torch.arange(Q, device=self.device)
         q_valid = qi[None, :] < q_lens[:, None]                                     # [Bd, Qmax]
         q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)  # pad
         block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]  # [Bd, Lmax / bs]
         runs = tuple((first, n, attention.causal_mask(starts[first:first + n],
-                                                      q_valid[first:first + n, :q],
-                                                      blocks * self.cache.block_size), prefill)
+                                                      q_valid[first:first + n, :q], blocks * bs),
+                      prefill)
                      for first, n, q, blocks, prefill in shape.dense_runs
                      or ((0, shape.dense_batch, Q, shape.dense_blocks, False),))
         batch = DenseBatch(q_index, q_valid, block_table, starts, runs)
@@ -342,8 +336,13 @@ class ModelRunner:
         seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)                # [Bs, L, n_kv, N]
         if self.spec.method == "pillar-lookup":
             # positions found from the input token replace the lowest-ranked critical ones
-            found_at, found_valid = self._lookups(
-                shape, dev, input_ids[dev["sparse_first_row"]])                    # [Bs, M]
+            committed = self.context_tokens[rows, dev["prev_committed"]]
+            prev = torch.where(dev["prev_in_context"] != 0, committed,
+                               self.draft_tokens[rows, dev["prev_drafted"]])
+            found_at, found_valid = lookup.lookup_positions(                        # [Bs, M]
+                self.context_tokens[rows, :shape.lookup_context],
+                input_ids[dev["sparse_first_row"]], dev["sparse_verified"], self.spec.num_lookups,
+                prev)
             keep = lookup.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width],
                                               n_sel, found_at,
                                               found_valid)                  # [Bs, L, n_kv, Nsel]
@@ -361,20 +360,9 @@ class ModelRunner:
         return SparseBatch(dev["sparse_first_row"], read_row, rows,
                            first_window[:, 0] + window - 1, valid)
 
-    def _lookups(self, shape: StepShape, dev: dict[str, torch.Tensor], tokens: torch.Tensor):
-        """pillar-lookup: the positions each draft's input token [Bs] finds in its context."""
-        rows, verified = dev["sparse_row"], dev["sparse_verified"]
-        committed = self.context_tokens[rows, dev["prev_committed"]]
-        drafted = self.draft_tokens[rows, dev["prev_drafted"]]
-        context_tokens = self.context_tokens[rows, :shape.lookup_context]           # [Bs, Lc]
-        return lookup.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
-                                       torch.where(dev["prev_in_context"] != 0, committed,
-                                                   drafted))
-
     # --- the readout -------------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor, r: Readout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LM head over the drafts' and checks' rows in one matmul (its weights read once)
-        -> draft logits [Nd, V], check logits [Bv * (M+1), V] (either may have no rows)."""
+        """The LM head over drafts' and checks' rows in one matmul -> [Nd, V], [Bv * (M+1), V]."""
         none = hidden.new_zeros(0, dtype=torch.long)
         drafts = r.draft_logit_row if r.draft_row is not None else none
         checks = r.check_logit_rows.flatten() if r.check_row is not None else none
@@ -399,11 +387,9 @@ class ModelRunner:
         num_checks, m_max = r.check_logit_rows.shape[0], r.check_logit_rows.shape[1] - 1
         logits = logits.view(num_checks, m_max + 1, -1)                            # [Bv, M+1, V]
         st = self.sampling.select(r.check_row, r.check_flags)                       # per check
-        draft_probs = None
-        if r.ngram_drafts is not None:
-            draft_tokens = r.ngram_drafts                                           # [Bv, M]
-        else:
-            draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # [Bv, M]
+        draft_tokens, draft_probs = r.ngram_drafts, None                           # [Bv, M]
+        if draft_tokens is None:
+            draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # a copy
             if self.draft_probs is not None and not st.all_greedy:
                 draft_probs = self.draft_probs[r.check_row, :m_max]
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
