@@ -29,6 +29,7 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Sequence, Work
 from .step_lists import StepLists, StepPlan, StepShape
+from .step_result import StepResult, joined_results
 
 
 # the named device lists of a step (`_lists`) that make up its Readout
@@ -52,36 +53,6 @@ class Readout:
     ngram_drafts: torch.Tensor | None = None          # [Bv, M] n-gram drafts (method ngram only)
     draft_flags: dict | None = None                   # SamplingTensors.host_flags of the drafts
     check_flags: dict | None = None                   # ... and of the checks
-
-
-@dataclass
-class StepResult:
-    """Device-side results of one step, plus the host-side plan they belong to."""
-    works: list[Work]
-    verify_works: list[Work]                # verifications and last prefill chunks, in order
-    num_drafts: list[int]                   # drafts checked by each of them
-    packed: torch.Tensor                    # [Bv, 3 + Mmax] accepted, next token, bonus, drafts
-    scores: torch.Tensor | None = None      # [L, Bv, n_kv, Lmax] their PillarAttn scores, or None
-    host: torch.Tensor | None = None        # `packed` copied to the host (`start_copy`)
-    copied: torch.cuda.Event | None = None  # recorded right after that copy (CUDA only)
-
-    def start_copy(self) -> None:
-        """Queue `packed`'s copy to the host right behind this step (not behind step t+1)."""
-        if self.packed.device.type == "cuda":
-            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-            self.host.copy_(self.packed, non_blocking=True)   # pinned: an asynchronous copy
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.host = self.packed
-
-    def fetch(self) -> dict:
-        """What the host bookkeeping needs (the step's one synchronisation, on this step only)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        rows = self.host.tolist()
-        return {"num_accepted": [r[0] for r in rows], "next_token": [r[1] for r in rows],
-                "is_bonus": [bool(r[2]) for r in rows], "draft_tokens": [r[3:] for r in rows]}
 
 
 class ModelRunner:
@@ -244,7 +215,8 @@ class ModelRunner:
             if plan.checks:   # (a replay's outputs last until the next replay: one memory pool)
                 packed.append(part_packed.clone() if len(parts) > 1 else part_packed)
                 scores.append(part_scores)               # gathered by `_run`, outside the graph
-        result = StepResult(works, checks, num_drafts, *_joined(packed, scores, self.device))
+        joined = joined_results(packed, scores, self.device)
+        result = StepResult(works, checks, num_drafts, *joined)
         result.start_copy()
         return result
 
@@ -398,18 +370,3 @@ class ModelRunner:
             self.draft_tokens[r.check_row, 0] = out.next_token
         return torch.cat([out.num_accepted[:, None], out.next_token[:, None],
                           out.is_bonus.long()[:, None], draft_tokens], dim=1)
-
-
-def _joined(packed: list[torch.Tensor], scores: list[torch.Tensor | None], device) -> tuple:
-    """The parts' results as one step's: packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] and scores
-    [L, Bv_i, n_kv, L_i] -> [L, Bv, n_kv, max L] (or None), zero-padded past what is read."""
-    if not packed:
-        return torch.zeros(0, 3, dtype=torch.long, device=device), None
-    if len(packed) == 1:
-        return packed[0], scores[0]
-    width = max(p.shape[1] for p in packed)
-    joined = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in packed])
-    if any(s is None for s in scores):
-        return joined, None
-    length = max(s.shape[-1] for s in scores)
-    return joined, torch.cat([F.pad(s, (0, length - s.shape[-1])) for s in scores], dim=1)

@@ -9,7 +9,7 @@ import torch
 from conftest import GREEDY, run
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.runner import StepResult
+from nano_sparsespec.step_result import StepResult
 
 
 def test_batch_equals_each_prompt_alone(tiny_qwen3, prompts, plain_greedy):
