@@ -489,6 +489,24 @@ def test_rejection_sampler_two_tokens_joint(name):
     assert_distribution(joint, np.outer(p[0].numpy(), p[1].numpy()))
 
 
+def test_residual_distribution_contract():
+    """normalize(max(0, p - q)) row by row: a distribution (sums to 1), zero wherever q >= p, proportional to p - q
+    elsewhere; a row whose residual is all zero (q >= p everywhere, i.e. q == p) falls back to p."""
+    g = torch.Generator().manual_seed(4)
+    B, V = 64, 50
+    p = (2 * torch.randn(B, V, generator=g)).softmax(-1)
+    q = (2 * torch.randn(B, V, generator=g)).softmax(-1)
+    q[:8] = p[:8]                                             # no residual mass: the fallback rows
+    q[8:16] = torch.where(torch.rand(B - 56, V, generator=g) < 0.5, p[8:16], q[8:16])   # ties: q == p in places
+    r = vf.residual_distribution(p, q)
+    assert r.shape == (B, V) and (r >= 0).all()
+    torch.testing.assert_close(r.sum(-1), torch.ones(B))
+    assert torch.equal(r[:8], p[:8])
+    assert (r[8:][q[8:] >= p[8:]] == 0).all() and (q[8:] >= p[8:]).any(-1).all()
+    diff = (p[8:] - q[8:]).clamp_min(0)
+    torch.testing.assert_close(r[8:], diff / diff.sum(-1, keepdim=True))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the tests have power: planted bugs are detected
 
