@@ -100,6 +100,45 @@ def test_full_drafter_accepts_every_draft(tiny_qwen3, prompts):
     assert stats.accepted_counts and stats.accepted_counts == stats.drafts_offered
 
 
+@pytest.mark.parametrize("method,async_verify,kv_blocks", [("pillar", False, None), ("pillar", True, 12),
+                                                           ("ngram", False, 12)])
+def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, method, async_verify, kv_blocks):
+    """After every processed verification (and last prefill chunk) the request's cache holds exactly its verified
+    positions and the blocks they need: rejected drafts' KV is forgotten and their emptied blocks return to the pool.
+    Checked where the engine hands over committed tokens (`on_commit`): that request then has no step in flight, also
+    with delayed verification (it sits out the step launched meanwhile). kv_blocks=12 adds offload and restore."""
+    from nano_sparsespec.async_loop import Engine
+    from nano_sparsespec.kv_cache import KVCache
+    from nano_sparsespec.model import load_model
+    from nano_sparsespec.scheduler import Sequence
+
+    model = load_model(str(tiny_qwen3[0]), torch.device("cpu"), torch.float32)
+    cfg, block_size = model.config, 16
+    spec = SpecConfig(method=method, stride=4, min_budget=4, budget_ratio=0.01, async_verify=async_verify,
+                      kv_blocks=kv_blocks, block_size=block_size, max_batch=5)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_blocks or 64, block_size, torch.float32, "cpu",
+                    host_blocks=64 if kv_blocks else 0)
+    engine = Engine(model, spec, cache, eos_token_ids=set())
+    seqs = [Sequence(i, p, GREEDY, seed=i) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
+    seen = []
+
+    def check(seq, tokens, accepted):
+        n = seq.num_verified
+        seen.append((seq.seq_id, cache.length(seq.seq_id), len(cache.block_table(seq.seq_id)), n,
+                     -(-n // block_size)))
+    stats = engine.run(check)
+    assert [s.output_ids for s in seqs] == plain_greedy
+    assert sum(stats.accepted_counts) < sum(stats.drafts_offered)          # drafts were rejected: rollbacks ran
+    assert len(seen) >= len(stats.accepted_counts) + len(prompts)        # each verification and first token
+    bad = [(i, length, blocks) for i, length, blocks, n, need in seen if (length, blocks) != (n, need)]
+    assert not bad, bad[:5]
+    if kv_blocks is not None:
+        assert stats.offloads > 0
+    assert cache.free_blocks() == cache.pool.num_blocks                    # every block back once all finished
+
+
 def test_sparse_drafts_really_differ_from_dense(tiny_qwen3, prompts):
     """With a small budget the sparse drafter must sometimes be wrong: proof the drafts really are sparse."""
     llm, _ = run(tiny_qwen3[0], prompts, method="streaming", stride=4, min_budget=4, budget_ratio=0.01)
