@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import GREEDY, run
+from conftest import GREEDY, PROMPT_LENGTHS, run
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.runner import StepResult
@@ -94,10 +94,20 @@ def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
     assert [o.token_ids for o in outs] == plain_greedy
 
 
-def test_full_drafter_accepts_every_draft(tiny_qwen3, prompts):
-    llm, _ = run(tiny_qwen3[0], prompts, method="full", stride=4)
+SAMPLED = [SamplingParams(temperature=1.0, top_k=(0, 40)[i % 2], top_p=(1.0, 0.9)[i // 2 % 2], seed=i,
+                          max_new_tokens=40, ignore_eos=True) for i in range(len(PROMPT_LENGTHS))]
+
+
+@pytest.mark.parametrize("method,sampled", [("full", False), ("full", True), ("pillar", False),
+                                            ("pillar-lookup", True), ("streaming", False)])
+def test_drafts_that_see_the_whole_context_are_all_accepted(tiny_qwen3, prompts, method, sampled):
+    """A draft that attends to every position computes what the verification computes: `full` drafts, and sparse
+    drafts whose budget covers the context (every position critical, plus those written since the verification). The
+    verifier then accepts every draft, greedy or sampled (T = 1, with top-k and top-p): a sampled draft is accepted
+    with probability min(1, p(x) / q(x)) = 1 when its draft distribution q is passed on as the target's p."""
+    llm, _ = run(tiny_qwen3[0], prompts, SAMPLED if sampled else GREEDY, method=method, stride=4, min_budget=128)
     stats = llm.last_stats
-    assert stats.accepted_counts and stats.accepted_counts == stats.drafts_offered
+    assert len(stats.accepted_counts) > 50 and stats.accepted_counts == stats.drafts_offered
 
 
 @pytest.mark.parametrize("method,async_verify,kv_blocks", [("pillar", False, None), ("pillar", True, 12),
