@@ -207,7 +207,7 @@ def test_sample_and_verify_from_logits(compiled):
     """`sample_drafts` / `verify_logits` (what the engine calls; `compile_sampling` fuses them on the fast path) give
     what the separate steps give: `probs_from_logits` row by row, then `sample` / `verify`. Eager: exactly. Compiled:
     the hash's integer ops exactly (same uniforms), probabilities within float rounding, so tokens agree but for a rare
-    uniform that lands on a rounded boundary; greedy rows exactly."""
+    uniform that lands on a rounded boundary (at most one row of 300); greedy rows exactly."""
     g = torch.Generator().manual_seed(21)
     B, K, V = 300, 4, 500
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0][b % 3], top_k=[0, 40][b % 2], top_p=[1.0, 0.8][b % 4 // 2])
@@ -233,10 +233,11 @@ def test_sample_and_verify_from_logits(compiled):
     finally:
         vf.use_eager_sampling()
 
-    def same(a, b):   # exactly; compiled: greedy rows exactly, the others but for rare boundary cases
+    def same(a, b):   # exactly; compiled: greedy rows exactly, the others but for a rare boundary case
         if not compiled:
             return torch.equal(a, b)
-        return torch.equal(a[greedy], b[greedy]) and (a == b).float().mean() > 0.98
+        # measured: no row of 300 differs (a uniform within float rounding of a boundary is a ~1e-6 event per row)
+        return torch.equal(a[greedy], b[greedy]) and int((a != b).sum()) <= 1
 
     if compiled:
         torch.testing.assert_close(got_probs, probs.view(B, K + 1, V)[:, 0], atol=1e-6, rtol=1e-5)
