@@ -117,7 +117,7 @@ def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, meth
     positions and the blocks they need: rejected drafts' KV is forgotten and their emptied blocks return to the pool.
     Checked where the engine hands over committed tokens (`on_commit`): that request then has no step in flight, also
     with delayed verification (it sits out the step launched meanwhile). kv_blocks=12 adds offload and restore."""
-    from nano_sparsespec.async_loop import Engine
+    from nano_sparsespec.async_loop import Engine, Observers
     from nano_sparsespec.kv_cache import KVCache
     from nano_sparsespec.model import load_model
     from nano_sparsespec.scheduler import Sequence
@@ -138,7 +138,7 @@ def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, meth
         n = seq.num_verified
         seen.append((seq.seq_id, cache.length(seq.seq_id), len(cache.block_table(seq.seq_id)), n,
                      -(-n // block_size)))
-    stats = engine.run(check)
+    stats = engine.run(Observers(on_commit=check))
     assert [s.output_ids for s in seqs] == plain_greedy
     assert sum(stats.accepted_counts) < sum(stats.drafts_offered)          # drafts were rejected: rollbacks ran
     assert len(seen) >= len(stats.accepted_counts) + len(prompts)        # each verification and first token
