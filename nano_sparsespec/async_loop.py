@@ -30,8 +30,9 @@ from .config import SpecConfig
 from .device import to_device
 from .kv_cache import KVCache
 from .model import CausalLM
-from .runner import ModelRunner, StepResult
+from .runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status, Work
+from .step_result import StepResult
 
 
 @dataclass

@@ -2,15 +2,12 @@
 verifications checked on the device.
 
 Owns
-  * running a step: the host's lists (step_lists.py) go to the device in one copy; `_compute` builds
-    the flat inputs (`input_ids [T]`, `positions [T]`, `slot_mapping [T]`) and the `AttentionContext`
-    from them, runs the forward, samples the drafts (`verifier.sample_drafts`) and verifies
-    (`verifier.verify_logits`) the verifications and last prefill chunks. `_compute` is the whole
-    device step: a padded static step records it as one CUDA graph (cuda_graphs.py).
-  * the per-request device buffers: this cycle's draft tokens (and their distributions when sampling),
-    the draft buffers (per row: the K/V of its critical positions, copied once per selection, then its
-    drafts' K/V), pillar-lookup's selections and committed tokens, each request's sampling parameters
-    (sent once per request) and a mirror of each request's block table (only changed entries are sent).
+  * running a step: the host's lists (step_lists.py) go to the device in one copy; `_compute`
+    builds the flat inputs and the `AttentionContext`, runs the forward, samples the drafts and
+    verifies the checks. A padded static step records `_compute` as one CUDA graph.
+  * the per-request device buffers: draft tokens (and distributions), the draft buffers (K/V of
+    critical positions, then drafts' K/V), pillar-lookup's selections and committed tokens,
+    sampling parameters and a mirror of each block table (changes only).
 Everything `launch` returns stays on the device; `StepResult.fetch` is the step's one host
 synchronisation, so the engine can launch step t before it looks at step t-1.
 
@@ -32,120 +29,77 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Sequence, Work
 from .step_lists import StepLists, StepPlan, StepShape
+from .step_result import StepResult, joined_results
 
 
 # the named device lists of a step (`_lists`) that make up its Readout
-READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position", "check_logit_rows", "check_row",
-                 "check_num_drafts", "check_first_position", "ngram_drafts")
+READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position",
+                 "check_logit_rows", "check_row", "check_num_drafts", "check_first_position",
+                 "ngram_drafts")
 
 
 @dataclass
 class Readout:
-    """What a step reads out of its hidden states after the forward: which token rows are sampled as drafts and which
-    verify, for which request rows (index tensors on the device), with the sampling flags of those requests (host).
-    Draft fields are None in a step without drafts, check fields None in a step without verifications."""
-    draft_logit_row: torch.Tensor | None = None        # [Nd] the flat token row whose output samples the draft
-    draft_row: torch.Tensor | None = None              # [Nd] its request's row (draft buffers, sampling table)
-    draft_index: torch.Tensor | None = None            # [Nd] the draft buffer column it fills
-    draft_position: torch.Tensor | None = None         # [Nd] the position it will occupy (its uniform's counter)
-    check_logit_rows: torch.Tensor | None = None       # [Bv, M+1] a verification's k+1 rows, or a last prefill
-                                                       #   chunk's last row (repeated as padding)
-    check_row: torch.Tensor | None = None              # [Bv] its request's row
-    check_num_drafts: torch.Tensor | None = None       # [Bv] drafts it checks (0..M)
-    check_first_position: torch.Tensor | None = None   # [Bv] position its first logit row decides
-    ngram_drafts: torch.Tensor | None = None           # [Bv, M] n-gram drafts (method ngram; model drafts are on
-                                                       #   the device already, in the runner's draft buffer)
-    draft_flags: dict | None = None                    # SamplingTensors.host_flags of the drafts' requests
-    check_flags: dict | None = None                    # ... and of the checks' requests
-
-
-@dataclass
-class StepResult:
-    """Device-side results of one step, plus the host-side plan they belong to."""
-    works: list[Work]
-    verify_works: list[Work]                 # verifications and last prefill chunks, in result order
-    num_drafts: list[int]                    # drafts checked by each of them
-    packed: torch.Tensor                     # [Bv, 3 + Mmax] per check: accepted count, the recovered / bonus (or,
-                                             # after prefill, first) token, 1 if bonus, the drafts it checked
-    scores: torch.Tensor | None = None       # [L, Bv, n_kv, Lmax] PillarAttn scores of those requests, or None
-    host: torch.Tensor | None = None         # `packed` copied to the host (`start_copy`)
-    copied: torch.cuda.Event | None = None   # recorded on the stream right after that copy (CUDA only)
-
-    def start_copy(self) -> None:
-        """Queue the copy of what the host bookkeeping needs, right behind this step's own work.
-
-        With delayed verification the host fetches step t-1 after it has queued step t; a copy queued only then would
-        wait for step t as well, and the host would have nothing left to overlap. (Queued before the next step, it
-        also reads `packed` before a CUDA graph replay can reuse that memory.)"""
-        if self.packed.device.type == "cuda":
-            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-            self.host.copy_(self.packed, non_blocking=True)          # pinned destination: an asynchronous copy
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.host = self.packed
-
-    def fetch(self) -> dict:
-        """What the host bookkeeping needs (the step's one synchronisation: it waits for this step only)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        rows = self.host.tolist()
-        return {"num_accepted": [r[0] for r in rows], "next_token": [r[1] for r in rows],
-                "is_bonus": [bool(r[2]) for r in rows], "draft_tokens": [r[3:] for r in rows]}
+    """The token rows a step samples as drafts and those that verify, for which request rows
+    (device), with their sampling flags (host); None where the step has no drafts / no checks."""
+    draft_logit_row: torch.Tensor | None = None       # [Nd] flat token row that samples the draft
+    draft_row: torch.Tensor | None = None             # [Nd] its request's row
+    draft_index: torch.Tensor | None = None           # [Nd] the draft buffer column it fills
+    draft_position: torch.Tensor | None = None        # [Nd] position it will occupy (its counter)
+    check_logit_rows: torch.Tensor | None = None      # [Bv, M+1] k+1 rows, or prefill's last row
+    check_row: torch.Tensor | None = None             # [Bv] its request's row
+    check_num_drafts: torch.Tensor | None = None      # [Bv] drafts it checks (0..M)
+    check_first_position: torch.Tensor | None = None  # [Bv] position its first logit row decides
+    ngram_drafts: torch.Tensor | None = None          # [Bv, M] n-gram drafts (method ngram only)
+    draft_flags: dict | None = None                   # SamplingTensors.host_flags of the drafts
+    check_flags: dict | None = None                   # ... and of the checks
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig, cuda_graphs: bool = False):
+    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig,
+                 cuda_graphs: bool = False):
         self.model, self.cache, self.spec = model, cache, spec
-        cfg = model.config
-        self.device = cache.device
+        cfg, self.device = model.config, cache.device
         self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
         rows, k = spec.max_batch, max(spec.stride, 1)
         long = dict(dtype=torch.long, device=self.device)
-        # Buffers indexed by request row have one row more, the scratch row: a step's padding (drafts, checks,
-        # dense requests, sparse drafts) reads and writes there, never in a request's row.
+        # one row more than requests: the scratch row, where a step's padding reads and writes
         self.scratch_row = rows
-        self.draft_tokens = torch.zeros(rows + 1, k, **long)                                  # [rows + 1, k]
-        self.graphs = StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows) if cuda_graphs else None
-        self.draft_probs: torch.Tensor | None = None                                          # [rows + 1, k, V]
-        # The buffers below are read by recorded graphs, which keep their addresses: one that must grow is
-        # reallocated and the graphs are dropped (`_widen`); the first two are made wide enough not to.
+        self.draft_tokens = torch.zeros(rows + 1, k, **long)                  # [rows + 1, k]
+        self.graphs = (StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows)
+                       if cuda_graphs else None)
+        self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
+        # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
         max_blocks = -(-cfg.max_position_embeddings // cache.block_size) + 1
-        # each row's block table mirrored on the device, so a step sends only the entries that changed; the scratch
-        # row lists the pool's scratch block only
-        self.block_tables = torch.zeros(rows + 1, max_blocks, **long)                      # [rows + 1, capacity]
+        # each row's block table on the device (the scratch row: the scratch block)
+        self.block_tables = torch.zeros(rows + 1, max_blocks, **long)         # [rows + 1, cap]
         self.block_tables[self.scratch_row] = cache.scratch_block
-        # pillar-lookup: each row's committed tokens mirrored on the device, so drafts can look tokens up in them
+        # pillar-lookup: each row's committed tokens mirrored on the device, for drafts' lookups
         lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
-        self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)                # [rows + 1, capacity]
-        self.tokens_sent = [(-1, 0)] * rows                                               # (seq_id, tokens sent)
-        # The columns a selection may take (the number of critical positions of each row's latest selection is
-        # selection_len[row]). With CUDA graphs, the room for the budget of the longest context at once: the first
-        # graphs are recorded before any selection is made (a prefill step's), and widening the buffers sized from it
-        # drops them.
+        self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)     # [rows + 1, cap]
+        self.tokens_sent = [(-1, 0)] * rows                           # (seq_id, tokens sent)
+        # columns a selection may take; with graphs, the longest context's budget from the start
         self.selection_room = 0
         if cuda_graphs and spec.method in ("pillar", "pillar-lookup", "streaming"):
-            self.selection_room = round_up(spec.budget(cfg.max_position_embeddings), self.graphs.width_step)
+            self.selection_room = round_up(spec.budget(cfg.max_position_embeddings),
+                                           self.graphs.width_step)
         self.step_lists = StepLists(spec, cache, rows)      # the host side of each step
-        self.selection_len = self.step_lists.selection_len  # [rows] critical positions of each row
-        # pillar-lookup: the critical positions each row's drafts attend to, in rank order, which its draft steps'
-        # lookups displace from the last (`kept_beside_lookups`); the other methods' drafts need only their copies
+        self.selection_len = self.step_lists.selection_len  # [rows] critical positions per row
+        # pillar-lookup: each row's critical positions in rank order (`kept_beside_lookups`)
         self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
-        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, self.selection_room if self.lookups else 0,
-                                     **long)                                              # [rows + 1, L, n_kv, N]
-        # The draft buffers: per row, the K/V of its critical positions (copied once per selection), then, for
-        # pillar-lookup, those of its draft's lookups (rewritten at each draft step), then those its drafts write
-        # (`SparseBatch`): `selection_room` + `lookups` + k columns. Made by the first selection or draft step.
-        self.draft_k: torch.Tensor | None = None                                       # [L, rows + 1, n_kv, C, D]
+        width = self.selection_room if self.lookups else 0          # [rows + 1, L, n_kv, width]
+        self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
+        # Draft buffers, per row: K/V of its critical positions, its lookups, then its drafts'
+        # (`selection_room` + `lookups` + k columns); made by the first selection or draft step.
+        self.draft_k: torch.Tensor | None = None                       # [L, rows + 1, n_kv, C, D]
         self.draft_v: torch.Tensor | None = None
-        # each row's sampling parameters, sent once when a request takes the row
-        self.sampling = verifier.SamplingTensors.from_params([SamplingParams()] * (rows + 1), [0] * (rows + 1),
-                                                             self.device)
-        self.params_sent = [-1] * rows                                                    # seq_id holding a row
+        # each row's sampling parameters, sent once per request
+        self.sampling = verifier.SamplingTensors.from_params(
+            [SamplingParams()] * (rows + 1), [0] * (rows + 1), self.device)
+        self.params_sent = [-1] * rows                                  # seq_id holding a row
 
     def _widen(self, buffer: torch.Tensor, width: int) -> torch.Tensor:
-        """`buffer` [..., w] with room for `width` columns: itself, or a copy twice as wide (new columns zero).
-        A copy has a new address, so recorded graphs, which read the old one, are dropped."""
+        """`buffer` [..., w] itself, or a copy twice as wide for `width` (graphs dropped)."""
         if width <= buffer.shape[-1]:
             return buffer
         grown = buffer.new_zeros(*buffer.shape[:-1], max(width, 2 * buffer.shape[-1]))
@@ -155,59 +109,56 @@ class ModelRunner:
         return grown
 
     def _widen_draft_buffers(self, selection_width: int) -> None:
-        """Make the draft buffers wide enough for selections of `selection_width` positions (a copy keeps what they
-        hold; like `_widen`, it drops the recorded graphs)."""
-        columns = round_up(selection_width + self.lookups + round_up(self.spec.stride, 8), 8)   # >= a bucket's N
+        """Make the draft buffers wide enough for `selection_width` positions (as `_widen`)."""
+        columns = round_up(selection_width + self.lookups + round_up(self.spec.stride, 8), 8)
         old = (self.draft_k, self.draft_v)
         had = 0 if old[0] is None else old[0].shape[-2]
         if columns <= had:
             return
-        shape = (self.num_layers, self.scratch_row + 1, self.n_kv, max(columns, 2 * had), self.model.config.head_dim)
+        shape = (self.num_layers, self.scratch_row + 1, self.n_kv, max(columns, 2 * had),
+                 self.model.config.head_dim)
         self.draft_k, self.draft_v = (self.cache.k.new_zeros(shape) for _ in range(2))
         if had:
             self.draft_k[..., :had, :], self.draft_v[..., :had, :] = old
             if self.graphs is not None:
                 self.graphs.forget()
 
-    # --- critical positions ------------------------------------------------------------------------------------------
-    @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
+    # --- critical positions ------------------------------------------------------------------
+    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
-        """Store, for each request, the positions [L, n_kv, n] its next drafts attend to (besides the recent window),
-        and copy their K/V into its row of the draft buffers, where its drafts read them until the next selection.
-
-        One write for all of them: the shorter selections are padded to the longest, and the padding columns lie
-        beyond their row's `selection_len`, where drafts do not read."""
+        """Store each request's critical positions [L, n_kv, n]; copy their K/V to its drafts'."""
         widths = [p.shape[-1] for p in positions]
         n = max(widths)
-        # Wide enough for the budget of the longest context these requests can reach (and for the bucket that
-        # rounds it up), so that growing budgets do not widen it again, each time dropping the recorded graphs.
-        longest = max(min(self.model.config.max_position_embeddings, s.final_length) for s in seqs)
+        # room for the longest context's budget: growing budgets do not widen again
+        cap = self.model.config.max_position_embeddings
+        longest = max(min(cap, s.final_length) for s in seqs)
         columns = max(n, self.spec.budget(longest))
         self.selection_room = max(self.selection_room, columns if self.graphs is None else
                                   round_up(columns, self.graphs.width_step))
-        padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) if p.shape[-1] < n else p for p in positions])
+        padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) for p in positions])
         rows = self._dev([s.row for s in seqs])
         if self.lookups:
             self.selection = self._widen(self.selection, self.selection_room)
-            self.selection[rows, :, :, :n] = padded                                     # [B, L, n_kv, n]
+            self.selection[rows, :, :, :n] = padded                         # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
         self._widen_draft_buffers(self.selection_room)
-        # (from the host's block tables: the device mirror is brought up to date only by the next step)
+        # (from the host's block tables: the device mirror is brought up to date by the next step)
         tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
         width = max(len(t) for t in tables)
-        block_table = self._dev([t + [t[0]] * (width - len(t)) for t in tables])     # [B, blocks]
-        self._fill_draft_buffers(block_table, padded, rows, torch.arange(n, device=self.device).expand(len(seqs), -1))
+        block_table = self._dev([t + [t[0]] * (width - len(t)) for t in tables])   # [B, blocks]
+        self._fill_draft_buffers(block_table, padded, rows,
+                                 torch.arange(n, device=self.device).expand(len(seqs), -1))
 
-    def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                            columns: torch.Tensor) -> None:
+    def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
+                            rows: torch.Tensor, columns: torch.Tensor) -> None:
         """`attention.fill_draft_buffers` into this runner's draft buffers."""
-        attention.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k, self.draft_v, block_table,
-                                       self.cache.block_size, positions, rows, columns)
+        attention.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k, self.draft_v,
+                                     block_table, self.cache.block_size, positions, rows, columns)
 
-    @torch.inference_mode()   # (a widened buffer is an inference tensor, as are those the steps make)
+    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def set_context_tokens(self, seq: Sequence) -> None:
-        """Mirror `seq`'s committed tokens into its row of `context_tokens`, sending only the ones not sent yet."""
+        """Mirror `seq`'s committed tokens not sent yet into its row of `context_tokens`."""
         owner, sent = self.tokens_sent[seq.row]
         sent = sent if owner == seq.seq_id else 0
         n = len(seq.tokens)
@@ -216,23 +167,24 @@ class ModelRunner:
             self.context_tokens[seq.row, sent:n] = self._dev(seq.tokens[sent:n])
         self.tokens_sent[seq.row] = (seq.seq_id, n)
 
-    # --- the step's shape and lists ----------------------------------------------------------------------------------
+    # --- the step's shape and lists ----------------------------------------------------------
     def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:
-        """Widen the device tables to `width` columns if needed and write `changes` [C, 3] (row, column, block)."""
+        """Widen the tables to `width` columns and write `changes` [C, 3] (row, column, block)."""
         tables = self._widen(self.block_tables, width)
         if tables is not self.block_tables:
-            tables[self.scratch_row] = self.cache.scratch_block                 # its new columns too
+            tables[self.scratch_row] = self.cache.scratch_block                # new columns too
             self.block_tables = tables
         if changes is not None:
             row, column, block = changes.unbind(1)
             self.block_tables[row, column] = block
 
     def _send_sampling_params(self, seqs: list[Sequence]) -> None:
-        """Bring the per-row sampling table up to date for requests new in their rows (once per request)."""
+        """Write the sampling parameters of requests new in their rows (once per request)."""
         new = [s for s in seqs if self.params_sent[s.row] != s.seq_id]
         if not new:
             return
-        fresh = verifier.SamplingTensors.from_params([s.params for s in new], [s.seed for s in new], self.device)
+        fresh = verifier.SamplingTensors.from_params([s.params for s in new],
+                                                     [s.seed for s in new], self.device)
         rows = self._dev([s.row for s in new])
         for name in ("temperature", "top_k", "top_p", "seed", "greedy"):
             getattr(self.sampling, name)[rows] = getattr(fresh, name)
@@ -242,20 +194,15 @@ class ModelRunner:
     def _dev(self, data, dtype=torch.long) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    # --- one step ---------------------------------------------------------------------------------------------------
+    # --- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, works: list[Work]) -> StepResult:
-        """Queue the step's device work; its results stay on the device (`StepResult.fetch` waits for them).
-
-        With CUDA graphs a step's prefill chunks run as a padded static step of their own, right after the replay of
-        the rest: mixed in, their query rows would leave the whole step's shape to the eager path, which on the H200
-        took 100-300 ms of host time beside 128 decoding requests, against ~4 ms for a replay
-        (benchmarks/h200/session19/prefill_step.py). Without graphs the step is one forward."""
-        if self.graphs is None:
-            parts = [works]
-        else:
-            parts = [part for part in ([w for w in works if w.kind != "prefill"],
-                                       [w for w in works if w.kind == "prefill"]) if part]
+        """Queue the step's device work; its results stay on the device (`StepResult.fetch`).
+        With CUDA graphs its prefill chunks run as a static step of their own (mixed in, they
+        would send the whole step down the eager path)."""
+        parts = [works] if self.graphs is None else [
+            part for part in ([w for w in works if w.kind != "prefill"],
+                              [w for w in works if w.kind == "prefill"]) if part]
         checks, num_drafts, packed, scores = [], [], [], []
         for part in parts:
             plan = StepPlan.of(part, self.spec.method)
@@ -265,176 +212,161 @@ class ModelRunner:
             part_packed, part_scores = self._run(plan, shape, static=self.graphs is not None)
             checks += [w for w, _ in plan.checks]
             num_drafts += plan.num_drafts
-            if plan.checks:   # (a replay's outputs last until the next replay: the graphs share one memory pool)
+            if plan.checks:   # (a replay's outputs last until the next replay: one memory pool)
                 packed.append(part_packed.clone() if len(parts) > 1 else part_packed)
-                scores.append(part_scores)                       # gathered by `_run`, outside the graph: a copy
-        result = StepResult(works, checks, num_drafts, *_joined(packed, scores, self.device))
+                scores.append(part_scores)               # gathered by `_run`, outside the graph
+        joined = joined_results(packed, scores, self.device)
+        result = StepResult(works, checks, num_drafts, *joined)
         result.start_copy()
         return result
 
-    def _run(self, plan: StepPlan, shape: StepShape, static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Send the step's lists (one copy), bring the block tables up to date, run the device step (a padded static
-        step when `static`: `shape` is then a bucket) -> the real checks' packed results [Bv, 3 + M] and, when
-        wanted, their PillarAttn scores [L, Bv, n_kv, Lmax]."""
+    def _run(self, plan: StepPlan, shape: StepShape,
+             static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Send the lists, update the block tables, run the step (static: `shape` is a bucket)
+        -> the real checks' packed [Bv, 3 + M] and their scores [L, Bv, n_kv, Lmax] or None."""
         seqs = [w.seq for w in plan.works]
         lists = self.step_lists.lists(plan, shape)
-        names = list(lists)                      # the lists of fixed length; the table changes come last
+        names = list(lists)                      # the fixed-length lists; table changes come last
         changes = self.step_lists.table_changes(seqs)
         if changes:
             lists["table_changes"] = changes
         self._send_sampling_params(seqs)
         upload = Packed(lists, self.device)
         dev = upload.views()
-
-        # every column in use came in a change once: the changes (and the step's dense context) say the width
+        # every column in use came in a change once: the changes (and the dense context) say width
         self._apply_table_changes(dev.get("table_changes"),
-                                  max([shape.dense_blocks] + [column + 1 for _, column, _ in changes]))
+                                  max([shape.dense_blocks] + [col + 1 for _, col, _ in changes]))
         self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
         if plan.sparse:
             self._widen_draft_buffers(self.selection_room)
         if static:
-            packed, scores = self.graphs.run(shape, upload, names)    # valid until the next replay
+            packed, scores = self.graphs.run(shape, upload, names)    # valid until next replay
         else:
             packed, scores = self._compute(shape, dev)
         checks = len(plan.checks)
-        if scores is not None:   # gathered outside the graph: the host reads them after the next step's replay
+        if scores is not None:   # gathered outside the graph: read after the next replay
             scores = scores[:, dev["check_dense_index"][:checks]]
         return packed[:checks], scores
 
-    def _compute(self, shape: StepShape, lists: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's device work from its uploaded lists: the step's tensors, the forward, then sampling drafts and
-        verifying. A padded static step records this whole function as one CUDA graph.
-        -> packed results [Bv, 3 + M], and the dense batch's PillarAttn scores [L, Bd, n_kv, Lmax] or None."""
-        feed = lists["feed_from"]                                                       # [T]
-        input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)], lists["input_ids"])
-        ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size, draft_k=self.draft_k,
-                               draft_v=self.draft_v)
+    def _compute(self, shape: StepShape,
+                 lists: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device step from its uploaded lists (recorded whole as one CUDA graph)
+        -> packed results [Bv, 3 + M], and the dense batch's scores [L, Bd, n_kv, Lmax] or None."""
+        feed = lists["feed_from"]                                                   # [T]
+        input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)],
+                                lists["input_ids"])
+        ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size,
+                               draft_k=self.draft_k, draft_v=self.draft_v)
         if shape.dense_batch:
             ctx.dense = self._dense_batch(shape, lists)
         if shape.sparse_batch:
             ctx.sparse = self._sparse_batch(shape, lists, input_ids)
         readout = Readout(**{name: lists.get(name) for name in READOUT_LISTS},
                           draft_flags=dict(shape.draft_flags), check_flags=dict(shape.check_flags))
-        hidden = self.model(input_ids, lists["positions"], ctx)                         # [T, hidden]
+        hidden = self.model(input_ids, lists["positions"], ctx)                     # [T, hidden]
         draft_logits, check_logits = self._logits(hidden, readout)
         if readout.draft_row is not None:
             self._sample_drafts(draft_logits, readout)
-        return self._verify(check_logits, readout), ctx.dense.scores if ctx.dense is not None else None
+        scores = ctx.dense.scores if ctx.dense is not None else None
+        return self._verify(check_logits, readout), scores
 
-    # --- the step's tensors, on the device ---------------------------------------------------------------------------
+    # --- the step's tensors, on the device ---------------------------------------------------
     def _dense_batch(self, shape: StepShape, dev: dict[str, torch.Tensor]) -> DenseBatch:
-        Q, L = shape.dense_queries, shape.dense_blocks * self.cache.block_size
-        starts, q_lens = dev["dense_start"], dev["dense_q_len"]                        # [Bd]
+        bs = self.cache.block_size
+        Q, L = shape.dense_queries, shape.dense_blocks * bs
+        starts, q_lens = dev["dense_start"], dev["dense_q_len"]                    # [Bd]
         qi = torch.arange(Q, device=self.device)
-        q_valid = qi[None, :] < q_lens[:, None]                                         # [Bd, Qmax]
-        q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)   # padding: the pad row
-        block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]          # [Bd, Lmax / block]
-        runs = tuple((first, n, attention.causal_mask(starts[first:first + n], q_valid[first:first + n, :q],
-                                                        blocks * self.cache.block_size), prefill)
+        q_valid = qi[None, :] < q_lens[:, None]                                     # [Bd, Qmax]
+        q_index = (dev["dense_first_row"][:, None] + qi).where(q_valid, shape.tokens - 1)  # pad
+        block_table = self.block_tables[dev["dense_row"], :shape.dense_blocks]  # [Bd, Lmax / bs]
+        runs = tuple((first, n, attention.causal_mask(starts[first:first + n],
+                                                      q_valid[first:first + n, :q], blocks * bs),
+                      prefill)
                      for first, n, q, blocks, prefill in shape.dense_runs
                      or ((0, shape.dense_batch, Q, shape.dense_blocks, False),))
         batch = DenseBatch(q_index, q_valid, block_table, starts, runs)
         if shape.scores:
-            rule = dev["score_rows"][:, None]                                           # [Bd, 1]
-            rows = q_valid & ((rule == 1) | ((rule == 2) & (qi[None, :] == (q_lens - 1)[:, None])))
+            rule = dev["score_rows"][:, None]                                       # [Bd, 1]
+            last = qi[None, :] == (q_lens - 1)[:, None]
+            rows = q_valid & ((rule == 1) | ((rule == 2) & last))
             batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
-            batch.scores = torch.zeros(self.num_layers, shape.dense_batch, self.n_kv, L, device=self.device)
+            batch.scores = torch.zeros(self.num_layers, shape.dense_batch, self.n_kv, L,
+                                       device=self.device)
         return batch
 
-    def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor], input_ids: torch.Tensor) -> SparseBatch:
-        """A draft attends to columns of its row of the draft buffers: [its n_sel critical positions | its lookups
-        (pillar-lookup) | its window], the window being the positions written since the last verification, its own
-        included (its K/V are written there this step)."""
-        rows, n_sel, window = dev["sparse_row"], dev["sparse_n_sel"], dev["sparse_window"]   # [Bs]
+    def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor],
+                      input_ids: torch.Tensor) -> SparseBatch:
+        """A draft attends to its row of the draft buffers: [n_sel critical positions | lookups
+        | window (positions written since the last verification, its own included)]."""
+        rows, n_sel, window = dev["sparse_row"], dev["sparse_n_sel"], dev["sparse_window"]  # [Bs]
         L, n_kv, M, R = self.num_layers, self.n_kv, self.lookups, shape.sparse_rows
-        N = round_up(shape.selection_width + M + shape.window, 8)    # 8-aligned rows of logits (cuda_graphs.bucket)
-        column = torch.arange(N, device=self.device)                                     # [N]
-        first_window = (n_sel + M)[:, None]                                             # [Bs, 1]
-        seen = (column < n_sel[:, None]) | ((column >= first_window) & (column < first_window + window[:, None]))
-        seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)                          # [Bs, L, n_kv, N]
+        N = round_up(shape.selection_width + M + shape.window, 8)   # 8-aligned (bucket)
+        column = torch.arange(N, device=self.device)                               # [N]
+        first_window = (n_sel + M)[:, None]                                         # [Bs, 1]
+        seen = ((column < n_sel[:, None])
+                | ((column >= first_window) & (column < first_window + window[:, None])))
+        seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)                # [Bs, L, n_kv, N]
         if self.spec.method == "pillar-lookup":
-            # Refreshed at every draft step: positions found from this draft's input token take the place of the
-            # lowest-ranked critical positions of each (layer, KV head); the count stays the budget.
-            found_at, found_valid = self._lookups(shape, dev, input_ids[dev["sparse_first_row"]])   # [Bs, M]
-            keep = lookup.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width], n_sel,
-                                              found_at, found_valid)              # [Bs, L, n_kv, Nsel]
-            lookup_column = n_sel[:, None] + torch.arange(M, device=self.device)       # [Bs, M]
-            self._fill_draft_buffers(self.block_tables[rows], found_at[:, None, None, :].expand(-1, L, n_kv, -1), rows,
+            # positions found from the input token replace the lowest-ranked critical ones
+            committed = self.context_tokens[rows, dev["prev_committed"]]
+            prev = torch.where(dev["prev_in_context"] != 0, committed,
+                               self.draft_tokens[rows, dev["prev_drafted"]])
+            found_at, found_valid = lookup.lookup_positions(                        # [Bs, M]
+                self.context_tokens[rows, :shape.lookup_context],
+                input_ids[dev["sparse_first_row"]], dev["sparse_verified"], self.spec.num_lookups,
+                prev)
+            keep = lookup.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width],
+                                              n_sel, found_at,
+                                              found_valid)                  # [Bs, L, n_kv, Nsel]
+            lookup_column = n_sel[:, None] + torch.arange(M, device=self.device)   # [Bs, M]
+            self._fill_draft_buffers(self.block_tables[rows],
+                                     found_at[:, None, None, :].expand(-1, L, n_kv, -1), rows,
                                      lookup_column)
-            found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)        # [Bs, N]
-            seen = (seen & (column >= n_sel[:, None])[:, None, None, :]) | F.pad(keep, (0, N - keep.shape[-1])) \
-                | found[:, None, None, :]
-        read_row = rows.clamp(max=R)                                   # padding drafts (the scratch row): row R
+            found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)
+            seen = ((seen & (column >= n_sel[:, None])[:, None, None, :])     # found: [Bs, N]
+                    | F.pad(keep, (0, N - keep.shape[-1])) | found[:, None, None, :])
+        read_row = rows.clamp(max=R)                          # padding drafts: row R
         valid = torch.zeros(L, R + 1, n_kv, N, dtype=torch.bool, device=self.device)
-        valid[..., 0] = True                                           # rows no draft reads: column 0, finite
+        valid[..., 0] = True                                  # rows no draft reads: column 0
         valid[:, read_row] = seen.transpose(0, 1)
-        return SparseBatch(dev["sparse_first_row"], read_row, rows, first_window[:, 0] + window - 1, valid)
+        return SparseBatch(dev["sparse_first_row"], read_row, rows,
+                           first_window[:, 0] + window - 1, valid)
 
-    def _lookups(self, shape: StepShape, dev: dict[str, torch.Tensor], tokens: torch.Tensor):
-        """pillar-lookup: the positions each draft's input token `tokens` [Bs] finds in its verified context."""
-        rows, verified = dev["sparse_row"], dev["sparse_verified"]
-        committed = self.context_tokens[rows, dev["prev_committed"]]
-        drafted = self.draft_tokens[rows, dev["prev_drafted"]]
-        context_tokens = self.context_tokens[rows, :shape.lookup_context]                          # [Bs, Lc]
-        return lookup.lookup_positions(context_tokens, tokens, verified, self.spec.num_lookups,
-                                            torch.where(dev["prev_in_context"] != 0, committed, drafted))
-
-    # --- the readout -------------------------------------------------------------------------------------------------
+    # --- the readout -------------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor, r: Readout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LM head over the rows the step reads out, drafts' and checks' in one matmul (the head's weights are read
-        once per step, not twice: on a CPU they are a fifth of the embedded model's)
-        -> draft logits [Nd, V], check logits [Bv * (M+1), V] (either may have no rows)."""
-        drafts = r.draft_logit_row if r.draft_row is not None else hidden.new_zeros(0, dtype=torch.long)
-        checks = r.check_logit_rows.flatten() if r.check_row is not None else hidden.new_zeros(0, dtype=torch.long)
-        logits = self.model.logits(hidden[torch.cat([drafts, checks])])                # [Nd + Bv * (M+1), V]
+        """The LM head over drafts' and checks' rows in one matmul -> [Nd, V], [Bv * (M+1), V]."""
+        none = hidden.new_zeros(0, dtype=torch.long)
+        drafts = r.draft_logit_row if r.draft_row is not None else none
+        checks = r.check_logit_rows.flatten() if r.check_row is not None else none
+        logits = self.model.logits(hidden[torch.cat([drafts, checks])])   # [Nd + Bv * (M+1), V]
         return logits[:drafts.shape[0]], logits[drafts.shape[0]:]
 
     def _sample_drafts(self, logits: torch.Tensor, r: Readout) -> None:
-        """Sample the drafts from their logits [Nd, V] into the draft buffer (and, when sampling, their
-        distributions)."""
+        """Sample drafts from logits [Nd, V] into the draft buffer (and their distributions)."""
         st = self.sampling.select(r.draft_row, r.draft_flags)
-        probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)           # [Nd, V], [Nd]
+        probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)   # [Nd, V], [Nd]
         self.draft_tokens[r.draft_row, r.draft_index] = tokens
         if not st.all_greedy:
-            if self.draft_probs is None:   # (a graph's first, eager run allocates it: never inside a recording)
-                self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1], device=self.device)
+            if self.draft_probs is None:   # (allocated by a graph's first, eager run)
+                self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1],
+                                               device=self.device)
             self.draft_probs[r.draft_row, r.draft_index] = probs
 
     def _verify(self, logits: torch.Tensor, r: Readout) -> torch.Tensor:
-        """Verify the step's checks from their logits [Bv * (M+1), V] -> packed [Bv, 3 + M] (`StepResult.packed`)."""
+        """Verify the checks from their logits [Bv * (M+1), V] -> packed [Bv, 3 + M]."""
         if r.check_row is None:
             return torch.zeros(0, 3, dtype=torch.long, device=self.device)
         num_checks, m_max = r.check_logit_rows.shape[0], r.check_logit_rows.shape[1] - 1
-        logits = logits.view(num_checks, m_max + 1, -1)                                # [Bv, M+1, V]
-        st = self.sampling.select(r.check_row, r.check_flags)                           # one row per check
-        draft_probs = None
-        if r.ngram_drafts is not None:
-            draft_tokens = r.ngram_drafts                                               # [Bv, M]
-        else:
-            draft_tokens = self.draft_tokens[r.check_row, :m_max]                       # [Bv, M] (a copy)
+        logits = logits.view(num_checks, m_max + 1, -1)                            # [Bv, M+1, V]
+        st = self.sampling.select(r.check_row, r.check_flags)                       # per check
+        draft_tokens, draft_probs = r.ngram_drafts, None                           # [Bv, M]
+        if draft_tokens is None:
+            draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # a copy
             if self.draft_probs is not None and not st.all_greedy:
                 draft_probs = self.draft_probs[r.check_row, :m_max]
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
                                      r.check_first_position)
-        if self.spec.runs_ahead:   # the request's next step, launched before the host sees this token, reads it here
+        if self.spec.runs_ahead:   # the request's next step, already launched, reads it here
             self.draft_tokens[r.check_row, 0] = out.next_token
-        return torch.cat([out.num_accepted[:, None], out.next_token[:, None], out.is_bonus.long()[:, None],
-                          draft_tokens], dim=1)
-
-
-def _joined(packed: list[torch.Tensor], scores: list[torch.Tensor | None], device) -> tuple:
-    """The checks' results of a step's parts (the static steps `ModelRunner.launch` runs) as one step's, in part
-    order: packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] (the added draft columns are 0 and never read: `num_drafts`
-    says how many are real) and scores [L, Bv_i, n_kv, L_i] -> [L, Bv, n_kv, max L] (the added columns are 0 and
-    lie past every request's context, which `select_pillar` masks), or None where the parts have none."""
-    if not packed:
-        return torch.zeros(0, 3, dtype=torch.long, device=device), None
-    if len(packed) == 1:
-        return packed[0], scores[0]
-    width = max(p.shape[1] for p in packed)
-    joined = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in packed])
-    if any(s is None for s in scores):
-        return joined, None
-    length = max(s.shape[-1] for s in scores)
-    return joined, torch.cat([F.pad(s, (0, length - s.shape[-1])) for s in scores], dim=1)
-
+        return torch.cat([out.num_accepted[:, None], out.next_token[:, None],
+                          out.is_bonus.long()[:, None], draft_tokens], dim=1)

@@ -4,15 +4,15 @@ Owns
   * `StepPlan`: a step's works sorted by what they need (dense attention, sparse drafts, draft
     sampling, verification), each with its first row in the step's flat token list;
   * `StepShape`: the sizes its device tensors are built with (its own, or a CUDA-graph bucket's);
-  * `StepLists`: every index list the device step is built from (token inputs, positions and KV slots,
-    the dense and sparse attention batches, the draft and check rows), each padded to the step's shape
-    so that they travel in one copy (`device.Packed`), and the block-table entries that changed since
-    they were last sent.
+  * `StepLists`: every index list the device step is built from (token inputs, positions and KV
+    slots, the dense and sparse batches, the draft and check rows), each padded to the step's
+    shape so that they travel in one copy (`device.Packed`), and the block-table changes.
 
-Must not touch device tensors: it writes Python lists; runner.py turns them into the step's tensors.
+Must not touch device tensors: it writes Python lists; runner.py turns them into tensors.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import verifier
@@ -24,35 +24,34 @@ from .scheduler import Sequence, Work
 
 @dataclass(frozen=True)
 class StepShape:
-    """The sizes a step's device tensors are built with: its own (an eager step) or its bucket's (a padded static
-    step: `StepGraphs.bucket` rounds them up). Every list the step sends has these lengths (`StepLists.lists`)."""
-    tokens: int                  # T: token rows; in a step with padding the last one is the padding row
-    dense_batch: int             # Bd: requests attending densely
-    dense_queries: int           # Qmax: query rows per dense request (1 plain decode, k + 1 verification)
-    dense_blocks: int            # Lmax / block_size: context blocks per dense request
-    scores: bool                 # PillarAttn scores wanted
-    sparse_batch: int            # Bs: draft tokens attending sparsely
-    sparse_rows: int             # R: rows of the draft buffers a draft step reads (its drafts' highest row + 1)
-    selection_width: int         # Nsel: critical positions per (layer, KV head) a draft attends to
-    window: int                  # W: recent positions it attends to (written since the last verification)
-    lookup_context: int          # Lc: verified positions a pillar-lookup draft searches (0 other methods)
-    drafts: int                  # Nd: draft tokens sampled
-    checks: int                  # Bv: verifications and last prefill chunks
-    check_drafts: int            # M: drafts per check (its logit rows: M + 1)
-    draft_flags: tuple           # SamplingTensors.host_flags of the drafts' requests, as items
-    check_flags: tuple           # ... and of the checks' requests
-    dense_runs: tuple = ()       # (first, count, query rows, blocks, prefill) of the runs dense requests attend in,
-                                 #   in a step with prefill chunks (`StepLists._dense_runs`); () all together
+    """The lengths of a step's lists and tensors: its own, or its bucket's (`StepGraphs.bucket`)."""
+    tokens: int              # T: token rows; with padding, the last one is the padding row
+    dense_batch: int         # Bd: requests attending densely
+    dense_queries: int       # Qmax: query rows per dense request (1 decode, k + 1 verification)
+    dense_blocks: int        # Lmax / block_size: context blocks per dense request
+    scores: bool             # PillarAttn scores wanted
+    sparse_batch: int        # Bs: draft tokens attending sparsely
+    sparse_rows: int         # R: draft-buffer rows a draft step reads (highest row + 1)
+    selection_width: int     # Nsel: critical positions per (layer, KV head) a draft attends to
+    window: int              # W: recent positions it attends to (since the last verification)
+    lookup_context: int      # Lc: verified positions a pillar-lookup draft searches (else 0)
+    drafts: int              # Nd: draft tokens sampled
+    checks: int              # Bv: verifications and last prefill chunks
+    check_drafts: int        # M: drafts per check (its logit rows: M + 1)
+    draft_flags: tuple       # SamplingTensors.host_flags of the drafts' requests, as items
+    check_flags: tuple       # ... and of the checks' requests
+    dense_runs: tuple = ()   # (first, count, query rows, blocks, prefill) per dense run, with
+                             #   prefill chunks (`StepLists._dense_runs`); () all together
 
 
 @dataclass
 class StepPlan:
-    """A step's works sorted by what they need, each with its first row in the step's flat token list."""
+    """A step's works sorted by what they need, each with its first row in the flat token list."""
     works: list[Work]
-    dense: list[tuple[Work, int]] = field(default_factory=list)    # attend to their whole context
-    sparse: list[tuple[Work, int]] = field(default_factory=list)   # draft tokens attending to gathered positions
+    dense: list[tuple[Work, int]] = field(default_factory=list)    # attend to whole context
+    sparse: list[tuple[Work, int]] = field(default_factory=list)   # drafts, gathered positions
     drafts: list[tuple[Work, int]] = field(default_factory=list)   # sample a draft token
-    checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications and last prefill chunks
+    checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications, last chunks
     num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
 
     @staticmethod
@@ -71,55 +70,51 @@ class StepPlan:
                 plan.checks.append((w, row))
                 plan.num_drafts.append(w.num_tokens - 1 if w.kind == "verify" else 0)
             row += w.num_tokens
-        # prefill chunks attend densely too, listed last and longest first (`StepLists._dense_runs`)
+        # prefill chunks attend densely too, last and longest first (`StepLists._dense_runs`)
         plan.dense += sorted(chunks, key=lambda chunk: -chunk[0].num_tokens)
         return plan
 
 
 class StepLists:
-    """Writes the index lists of each step. `selection_len[row]`: how many critical positions the
-    latest selection of the request in that row holds (its drafts attend to that many)."""
+    """Writes the index lists of each step. `selection_len[row]`: critical positions the latest
+    selection of the request in that row holds (its drafts attend to that many)."""
 
     def __init__(self, spec: SpecConfig, cache: KVCache, scratch_row: int):
         self.spec, self.cache, self.scratch_row = spec, cache, scratch_row
-        self.stride = max(spec.stride, 1)                    # columns of the runner's draft-token buffer
+        self.stride = max(spec.stride, 1)            # columns of the runner's draft-token buffer
         self.selection_len = [0] * scratch_row
-        self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * scratch_row   # (seq_id, table)
+        self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * scratch_row  # (seq_id, table)
 
     def shape(self, plan: StepPlan) -> StepShape:
         """The step's own sizes (no rounding)."""
         dense, sparse = [w for w, _ in plan.dense], [w for w, _ in plan.sparse]
         q_max = max((w.num_tokens for w in dense), default=0)
-        # dense requests shorter than the longest have padding queries, which need a padding row (a padding row
-        # costs a whole token's work: 2x for a batch of one on a CPU, so steps without padding have none)
+        # shorter dense requests' padding queries need a padding row (a whole token's work)
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
-        flags = verifier.SamplingTensors.host_flags
+        def flags(ws):   # SamplingTensors.host_flags of these works' requests, as items
+            return tuple(verifier.SamplingTensors.host_flags([w.seq.params for w, _ in ws]).items())
+        context = max((w.start + w.num_tokens for w in dense), default=0)
+        pillar = self.spec.method in ("pillar", "pillar-lookup")
         return StepShape(
             tokens=sum(w.num_tokens for w in plan.works) + has_padding,
             dense_batch=len(dense), dense_queries=q_max,
-            dense_blocks=-(-max((w.start + w.num_tokens for w in dense), default=0) // self.cache.block_size),
-            scores=self.spec.method in ("pillar", "pillar-lookup") and any(w.kind == "verify" or w.final_prefill
-                                                                           for w in dense),
+            dense_blocks=-(-context // self.cache.block_size),
+            scores=pillar and any(w.kind == "verify" or w.final_prefill for w in dense),
             sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
             selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
             window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),
             lookup_context=max((w.seq.num_verified for w in sparse), default=0)
             if self.spec.method == "pillar-lookup" else 0,
-            drafts=len(plan.drafts), checks=len(plan.checks), check_drafts=max(plan.num_drafts, default=0),
-            draft_flags=tuple(flags([w.seq.params for w, _ in plan.drafts]).items()) if plan.drafts else (),
-            check_flags=tuple(flags([w.seq.params for w, _ in plan.checks]).items()) if plan.checks else (),
+            drafts=len(plan.drafts), checks=len(plan.checks),
+            check_drafts=max(plan.num_drafts, default=0),
+            draft_flags=flags(plan.drafts) if plan.drafts else (),
+            check_flags=flags(plan.checks) if plan.checks else (),
             dense_runs=self._dense_runs(dense))
 
     def _dense_runs(self, dense: list[Work]) -> tuple:
-        """(first, count, query rows, context blocks, prefill) of the runs a step's dense requests attend in, each
-        padded to its own longest query count and context; () in a step without prefill chunks (one batch).
-
-        A step's prefill chunks (listed last, longest first) are attended apart from its other dense requests, which
-        would otherwise be padded to a chunk's query rows (a decoding request's 1 row to ~130 in the benchmark
-        below), and apart from each other wherever a chunk is less than half the longest of its run, so that a run
-        pads at most 2x its query rows. On the CPU, 128 requests on a tiny 30-layer model: the steps that carry chunks
-        took 385 ms on average, 86-93 attended apart (benchmarks/cpu/prefill_steps.py). A run of chunks is marked
-        `prefill`: its PillarAttn scores come from each chunk's last row alone (pillar_attn.attend)."""
+        """(first, count, query rows, context blocks, prefill) of each run of dense requests,
+        padded to its own longest; () without prefill chunks. Chunks (last, longest first) run
+        apart from the rest; one under half its run's longest starts a new run (padding <= 2x)."""
         chunks = sum(w.kind == "prefill" for w in dense)
         if not chunks:
             return ()
@@ -131,27 +126,23 @@ class StepLists:
             runs[-1][1] += 1
         bs = self.cache.block_size
         return tuple((first, n, max(w.num_tokens for w in dense[first:first + n]),
-                      -(-max(w.start + w.num_tokens for w in dense[first:first + n]) // bs), first >= first_chunk)
+                      -(-max(w.start + w.num_tokens for w in dense[first:first + n]) // bs),
+                      first >= first_chunk)
                      for first, n in runs)
 
     def _padding(self, shape: StepShape) -> dict[str, int]:
-        """What each list's padding entries hold. They compute harmless finite values and write only scratch places:
-        padding tokens write their K/V to the pool's scratch slot (`KVCache.scratch_slot`); padding queries and
-        padding drafts read the scratch row's block table (the scratch block only) and see position 0 there, the
-        scratch slot; every padding output lands in the padding row (the step's last token row), and padding drafts
-        and checks sample that row and write the runner's scratch row."""
+        """What each list's padding entries hold (0 unless listed): harmless finite values that
+        write only scratch places (the scratch slot, the padding row, the runner's scratch row)
+        and read the scratch row's block table (the scratch block only) at position 0."""
         pad_row, scratch_row = shape.tokens - 1, self.scratch_row
-        return {"input_ids": 0, "positions": 0, "slots": self.cache.scratch_slot, "feed_from": -1,
-                "dense_first_row": pad_row, "dense_start": 0, "dense_q_len": 0, "dense_row": scratch_row,
-                "score_rows": 0,
-                "sparse_first_row": pad_row, "sparse_row": scratch_row, "sparse_verified": 0, "sparse_n_sel": 0,
-                "sparse_window": 1, "prev_committed": 0, "prev_drafted": 0, "prev_in_context": 0,
-                "draft_logit_row": pad_row, "draft_row": scratch_row, "draft_index": 0, "draft_position": 0,
-                "check_logit_rows": pad_row, "check_row": scratch_row, "check_num_drafts": 0,
-                "check_first_position": 0, "ngram_drafts": 0, "check_dense_index": 0}
+        return defaultdict(int, slots=self.cache.scratch_slot, feed_from=-1, sparse_window=1,
+                           dense_first_row=pad_row, sparse_first_row=pad_row,
+                           draft_logit_row=pad_row, check_logit_rows=pad_row,
+                           dense_row=scratch_row, sparse_row=scratch_row,
+                           draft_row=scratch_row, check_row=scratch_row)
 
     def lists(self, plan: StepPlan, shape: StepShape) -> dict[str, list]:
-        """Every index list the step's tensors are built from, each padded to its length in `shape`."""
+        """Every index list the step's tensors are built from, padded to its length in `shape`."""
         groups = [(self._token_lists(plan.works), shape.tokens)]
         if plan.dense:
             groups.append((self._dense_lists(plan.dense, shape.scores), shape.dense_batch))
@@ -170,8 +161,8 @@ class StepLists:
         return lists
 
     def _token_lists(self, works: list[Work]) -> dict[str, list]:
-        """input_ids, positions and KV slots of every token of the step [T]; feed_from: for a token whose input is
-        a draft still on the device, its flat index in the draft buffer [rows + 1, k], else -1."""
+        """input_ids, positions, KV slots of the step's tokens [T]; feed_from: a device draft
+        input's flat index in the draft buffer [rows + 1, k], else -1."""
         ids, positions, slots, feed_from = [], [], [], []
         bs, k = self.cache.block_size, self.stride
         for w in works:
@@ -183,11 +174,11 @@ class StepLists:
             elif self.spec.method == "ngram":
                 inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
                 feed_from += [-1] * w.num_tokens
-            else:  # the pending token, then this cycle's model drafts (fed from the device buffer); a plain step
-                   # that runs ahead starts one past the pending token, on the token in flight (column 0)
+            else:  # pending token, then drafts fed from the device (run-ahead: column 0 first)
                 inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
                 first_draft = seq.num_verified + 1
-                feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1 for p in pos]
+                feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1
+                              for p in pos]
             table = self.cache.pool.tables[seq.seq_id]
             ids += inputs
             positions += pos
@@ -196,23 +187,26 @@ class StepLists:
 
     @staticmethod
     def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
-        lists = {"dense_first_row": [r for _, r in dense], "dense_start": [w.start for w, _ in dense],
-                 "dense_q_len": [w.num_tokens for w, _ in dense], "dense_row": [w.seq.row for w, _ in dense]}
+        lists = {"dense_first_row": [r for _, r in dense],
+                 "dense_start": [w.start for w, _ in dense],
+                 "dense_q_len": [w.num_tokens for w, _ in dense],
+                 "dense_row": [w.seq.row for w, _ in dense]}
         if with_scores:
-            # which query rows count in the PillarAttn scores: 1 all real rows (a verification), 2 the last row only
-            # (a last prefill chunk), 0 none (an earlier prefill chunk)
-            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0 for w, _ in dense]
+            # query rows counted in the scores: 1 all real rows (a verification), 2 the last
+            # row only (a last prefill chunk), 0 none (an earlier prefill chunk)
+            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0
+                                   for w, _ in dense]
         return lists
 
     def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
         seqs = [w.seq for w, _ in sparse]
         lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
                  "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
-                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}  # written since verification
+                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}
         if self.spec.method == "pillar-lookup":
             lists["sparse_verified"] = [s.num_verified for s in seqs]
-            # The token before each draft's input: committed (mirrored in context_tokens, the pending one included)
-            # or one of this cycle's drafts (draft_tokens index j holds position num_verified + 1 + j).
+            # The token before each draft's input: committed (in context_tokens, the pending one
+            # included) or a draft (draft_tokens index j holds position num_verified + 1 + j).
             prev = [w.start - 1 for w, _ in sparse]
             lists["prev_committed"] = [min(p, s.num_verified) for p, s in zip(prev, seqs)]
             lists["prev_drafted"] = [max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)]
@@ -221,35 +215,34 @@ class StepLists:
 
     @staticmethod
     def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
-        return {"draft_logit_row": [r for _, r in drafts], "draft_row": [w.seq.row for w, _ in drafts],
+        return {"draft_logit_row": [r for _, r in drafts],
+                "draft_row": [w.seq.row for w, _ in drafts],
                 "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
                 "draft_position": [w.start + 1 for w, _ in drafts]}
 
     def _check_lists(self, plan: StepPlan, with_scores: bool) -> dict[str, list]:
-        """Verifications and last prefill chunks; with scores, where each sits in the dense batch."""
+        """Verifications and last prefill chunks; with scores, each one's dense batch index."""
         checks, num_drafts = plan.checks, plan.num_drafts
         m_max = max(num_drafts)
-        # Logit rows of each check: a verification's k+1 rows; a last prefill chunk's last row (repeated as padding).
+        # logit rows: a verification's k+1 rows; a last prefill chunk's last row (repeated)
         logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
-                      else [r + w.num_tokens - 1] * (m_max + 1) for (w, r), m in zip(checks, num_drafts)]  # [Bv, M+1]
+                      else [r + w.num_tokens - 1] * (m_max + 1)
+                      for (w, r), m in zip(checks, num_drafts)]                 # [Bv, M+1]
         lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
                  "check_num_drafts": num_drafts,
-                 "check_first_position": [w.start + w.num_tokens if w.kind == "prefill" else w.start + 1
-                                          for w, _ in checks]}
+                 "check_first_position": [w.start + w.num_tokens if w.kind == "prefill"
+                                          else w.start + 1 for w, _ in checks]}
         if self.spec.method == "ngram":
             lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
-                                     for (w, _), m in zip(checks, num_drafts)]                 # [Bv, M]
+                                     for (w, _), m in zip(checks, num_drafts)]   # [Bv, M]
         if with_scores:
             dense_index = {id(w): i for i, (w, _) in enumerate(plan.dense)}
             lists["check_dense_index"] = [dense_index[id(w)] for w, _ in checks]
         return lists
 
     def table_changes(self, seqs: list[Sequence]) -> list[list[int]]:
-        """(row, column, block) entries of the device block tables that differ from the host tables of `seqs`.
-
-        A table only changes at its end (append adds blocks, rollback drops them), so usually nothing or one new
-        block per request; `ModelRunner._apply_table_changes` writes them. Columns past a request's own table keep stale but
-        valid block ids (masked by the context length, like padding)."""
+        """(row, column, block) entries of the device tables that differ from the host tables of
+        `seqs` (only ends change); columns past a table keep stale, valid, masked block ids."""
         changes = []
         for seq in seqs:
             table = self.cache.pool.tables[seq.seq_id]

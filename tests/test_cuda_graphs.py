@@ -177,7 +177,8 @@ def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, m
     """With CUDA graphs every part of a step is a padded static step: a step's prefill chunks run apart from its
     decoding requests (one bucketed run of chunks), and the two parts' results are joined in check order. Requests
     admitted while others verify make steps whose both parts have checks (a last prefill chunk and verifications),
-    and the output equals plain decoding's on the same path."""
+    and the output equals plain decoding's on the same path; in those steps each check's row of the joined results
+    is its own: the verifications' first, as wide as the widest part, a prefill's padded with zeros."""
     parts, joined = [], []
     run, launch = ModelRunner._run, ModelRunner.launch
 
@@ -193,7 +194,7 @@ def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, m
         before = len(parts)
         result = launch(self, works)
         if parts[before:] == [True, True]:
-            joined.append(result.packed.shape[1])       # 3 + the verifications' drafts: wider than a prefill's 3
+            joined.append(([w.kind for w in result.verify_works], result.num_drafts, result.fetch()))
         return result
 
     monkeypatch.setattr(ModelRunner, "_run", noted_run)
@@ -202,4 +203,12 @@ def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, m
     _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
                        budget_ratio=0.1, async_verify=True, max_batch=3, prefill_chunk=32)
     assert outs == plain
-    assert joined and max(joined) > 3, joined
+    assert joined                                       # some steps had checks in both parts
+    for kinds, num_drafts, got in joined:
+        assert kinds.index("prefill") == kinds.count("verify") > 0        # the decoding part's checks come first
+        width = len(got["draft_tokens"][0])
+        for kind, n, accepted, bonus, drafts in zip(kinds, num_drafts, got["num_accepted"], got["is_bonus"],
+                                                    got["draft_tokens"]):
+            assert len(drafts) == width >= n and 0 <= accepted <= n and bonus == (accepted == n)
+            assert kind == "verify" or (n == 0 and not any(drafts))       # a first token's row: padded with 0
+

@@ -162,7 +162,8 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     """At every draft step, the columns a draft attends to in its row of the draft buffers hold the pool's K/V of
     exactly its positions: its critical positions (for pillar-lookup `merge_lookup`'s, its lookups in the place of
     the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
-    plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.)"""
+    plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.) The window
+    expected is the scheduler's: the drafts the request has made since its last verification, this one included."""
     checked, drafting, lookups, selections = [], [], [], {}
     sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
     set_selections, kept_beside_lookups = ModelRunner.set_selections, lookup.kept_beside_lookups
@@ -172,7 +173,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
         return set_selections(self, seqs, positions)
 
     def noted_lists(self, sparse):
-        drafting[:] = [w.seq for w, _ in sparse]
+        drafting[:] = [(w.seq, w.seq.num_drafts) for w, _ in sparse]
         return sparse_lists(self, sparse)
 
     def noted_kept(*args):
@@ -181,10 +182,12 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
 
     def checked_batch(self, shape, dev, input_ids):
         batch = sparse_batch(self, shape, dev, input_ids)
-        rows, n_sel, window = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel", "sparse_window"))
+        rows, n_sel = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel"))
         critical = merge_lookup(*lookups) if method == "pillar-lookup" else [selections[row] for row in rows]
         columns = torch.arange(batch.valid.shape[-1])
-        for b, (row, seq) in enumerate(zip(rows, drafting)):
+        window = [drafts for _, drafts in drafting]                             # positions num_verified .. own
+        assert dev["sparse_window"].tolist() == window
+        for b, (row, (seq, _)) in enumerate(zip(rows, drafting)):
             own = n_sel[b] + self.lookups + window[b] - 1                        # the draft's own column
             recent = list(range(seq.num_verified, seq.num_verified + window[b] - 1))
             for layer, head in itertools.product(range(self.num_layers), range(self.n_kv)):

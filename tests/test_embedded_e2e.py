@@ -1,5 +1,5 @@
 """End to end on the real embedded model (SmolLM2-135M-Instruct): our engine against transformers, every drafter
-against plain greedy decoding, stop strings, and the CLI."""
+against plain greedy decoding and above its floor of acceptance, stop strings, and the CLI."""
 import json
 import subprocess
 import sys
@@ -43,16 +43,37 @@ def test_prompts_have_different_lengths(llm):
     assert len({len(llm.encode(p)) for p in PROMPTS}) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("method,stride", [("pillar", 1), ("pillar", 4), ("pillar", 8), ("streaming", 8),
-                                           ("ngram", 8), ("full", 8)])
+# Acceptance (accepted / offered drafts over all verifications) these runs measured (float32, CPU): pillar 0.821 at
+# k = 4 and 0.716 at k = 8, pillar-lookup 0.871, streaming 0.601, ngram 0.200, full 1. Greedy losslessness holds for
+# any drafter, even a broken one, so the floors say that the sparse drafters draft well: they sit ~0.1 below the
+# measured values and far above broken drafters' (pillar at k = 4 picking the lowest scores: 0.01; drafts that
+# forget the positions written since the last verification: 0.44).
+ACCEPTANCE_FLOOR = {("pillar", 4): 0.7, ("pillar", 8): 0.6, ("pillar-lookup", 4): 0.75, ("streaming", 4): 0.45,
+                    ("ngram", 8): 0.1, ("full", 8): 1.0}
+ACCEPTANCE = {}             # (method, stride) -> the acceptance measured below, for the comparisons that follow
+
+
+@pytest.mark.parametrize("method,stride", list(ACCEPTANCE_FLOOR))
 def test_every_drafter_is_lossless_on_the_real_model(llm, plain_outputs, method, stride):
     spec = LLM(device="cpu", dtype="float32", method=method, stride=stride, min_budget=32)
     outs = spec.generate(PROMPTS, SamplingParams(max_new_tokens=128, ignore_eos=True))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outputs]
-    stats = spec.last_stats.summary(stride)
-    assert stats["verifications"] > 0
-    if method == "full":
-        assert stats["mean_accepted"] == stats["mean_offered"]
+    stats = spec.last_stats
+    assert len(stats.drafts_offered) > 20
+    acceptance = sum(stats.accepted_counts) / sum(stats.drafts_offered)
+    ACCEPTANCE[method, stride] = acceptance
+    assert acceptance >= ACCEPTANCE_FLOOR[method, stride], (acceptance, stats.summary(stride))
+
+
+def test_pillar_drafts_beat_streaming_and_lookups_keep_up():
+    """At the same stride and budget, PillarAttn's critical positions (measured 0.821) beat StreamingLLM's sinks and
+    recent window (0.601) by far, and pillar-lookup (0.871) does not lose to pillar (from the runs above)."""
+    runs = [("pillar", 4), ("pillar-lookup", 4), ("streaming", 4)]
+    if not all(r in ACCEPTANCE for r in runs):
+        pytest.skip("needs the losslessness runs of pillar, pillar-lookup and streaming at k = 4")
+    pillar, lookup, streaming = (ACCEPTANCE[r] for r in runs)
+    assert pillar >= streaming + 0.1, (pillar, streaming)
+    assert lookup >= pillar - 0.03, (lookup, pillar)
 
 
 def test_stop_string(llm, plain_outputs):

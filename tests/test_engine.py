@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import GREEDY, run
+from conftest import GREEDY, PROMPT_LENGTHS, run
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.runner import StepResult
+from nano_sparsespec.step_result import StepResult
 
 
 def test_batch_equals_each_prompt_alone(tiny_qwen3, prompts, plain_greedy):
@@ -94,10 +94,59 @@ def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
     assert [o.token_ids for o in outs] == plain_greedy
 
 
-def test_full_drafter_accepts_every_draft(tiny_qwen3, prompts):
-    llm, _ = run(tiny_qwen3[0], prompts, method="full", stride=4)
+SAMPLED = [SamplingParams(temperature=1.0, top_k=(0, 40)[i % 2], top_p=(1.0, 0.9)[i // 2 % 2], seed=i,
+                          max_new_tokens=40, ignore_eos=True) for i in range(len(PROMPT_LENGTHS))]
+
+
+@pytest.mark.parametrize("method,sampled", [("full", False), ("full", True), ("pillar", False),
+                                            ("pillar-lookup", True), ("streaming", False)])
+def test_drafts_that_see_the_whole_context_are_all_accepted(tiny_qwen3, prompts, method, sampled):
+    """A draft that attends to every position computes what the verification computes: `full` drafts, and sparse
+    drafts whose budget covers the context (every position critical, plus those written since the verification). The
+    verifier then accepts every draft, greedy or sampled (T = 1, with top-k and top-p): a sampled draft is accepted
+    with probability min(1, p(x) / q(x)) = 1 when its draft distribution q is passed on as the target's p."""
+    llm, _ = run(tiny_qwen3[0], prompts, SAMPLED if sampled else GREEDY, method=method, stride=4, min_budget=128)
     stats = llm.last_stats
-    assert stats.accepted_counts and stats.accepted_counts == stats.drafts_offered
+    assert len(stats.accepted_counts) > 50 and stats.accepted_counts == stats.drafts_offered
+
+
+@pytest.mark.parametrize("method,async_verify,kv_blocks", [("pillar", False, None), ("pillar", True, 12),
+                                                           ("ngram", False, 12)])
+def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, method, async_verify, kv_blocks):
+    """After every processed verification (and last prefill chunk) the request's cache holds exactly its verified
+    positions and the blocks they need: rejected drafts' KV is forgotten and their emptied blocks return to the pool.
+    Checked where the engine hands over committed tokens (`on_commit`): that request then has no step in flight, also
+    with delayed verification (it sits out the step launched meanwhile). kv_blocks=12 adds offload and restore."""
+    from nano_sparsespec.async_loop import Engine, Observers
+    from nano_sparsespec.kv_cache import KVCache
+    from nano_sparsespec.model import load_model
+    from nano_sparsespec.scheduler import Sequence
+
+    model = load_model(str(tiny_qwen3[0]), torch.device("cpu"), torch.float32)
+    cfg, block_size = model.config, 16
+    spec = SpecConfig(method=method, stride=4, min_budget=4, budget_ratio=0.01, async_verify=async_verify,
+                      kv_blocks=kv_blocks, block_size=block_size, max_batch=5)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_blocks or 64, block_size, torch.float32, "cpu",
+                    host_blocks=64 if kv_blocks else 0)
+    engine = Engine(model, spec, cache, eos_token_ids=set())
+    seqs = [Sequence(i, p, GREEDY, seed=i) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
+    seen = []
+
+    def check(seq, tokens, accepted):
+        n = seq.num_verified
+        seen.append((seq.seq_id, cache.length(seq.seq_id), len(cache.block_table(seq.seq_id)), n,
+                     -(-n // block_size)))
+    stats = engine.run(Observers(on_commit=check))
+    assert [s.output_ids for s in seqs] == plain_greedy
+    assert sum(stats.accepted_counts) < sum(stats.drafts_offered)          # drafts were rejected: rollbacks ran
+    assert len(seen) >= len(stats.accepted_counts) + len(prompts)        # each verification and first token
+    bad = [(i, length, blocks) for i, length, blocks, n, need in seen if (length, blocks) != (n, need)]
+    assert not bad, bad[:5]
+    if kv_blocks is not None:
+        assert stats.offloads > 0
+    assert cache.free_blocks() == cache.pool.num_blocks                    # every block back once all finished
 
 
 def test_sparse_drafts_really_differ_from_dense(tiny_qwen3, prompts):

@@ -83,7 +83,9 @@ def test_bfloat16_loading_is_close(tmp_path):
     ids = _ids(16)
     ours, ref = model.full_logits(ids), _hf_logits(hf_model, ids)
     assert ours.dtype == torch.float32                    # logits always come back in fp32
-    assert (ours - ref).abs().max() < 0.25 * ref.abs().max()
+    # bf16 weights and activations against the fp32 reference: measured max |diff| 1.9% of the largest logit
+    # (transformers' own model cast to bf16 is 2.0% off); 5% leaves margin, and a wrong layer is off by far more.
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 # --------------------------------------------------------------------------------------------------------------------

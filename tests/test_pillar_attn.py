@@ -106,8 +106,8 @@ def test_dense_attention_matches_loop_reference():
 
 
 def test_dense_attention_single_rows_match_loop_reference():
-    """Plain decoding's shape, one query row per request (packed like a verification's rows since the sixteenth
-    session), in float32 and bfloat16."""
+    """Plain decoding's shape, one query row per request (packed like a verification's rows), in float32 and
+    bfloat16."""
     q_lens, ctx_lens = [1, 1, 1], [7, 4, 9]
     q, k, v, mask, _ = make_padded_batch(q_lens, ctx_lens, seed=5)
     ref_out, _ = ref_dense(q, k, v, q_lens, ctx_lens, torch.zeros(3, 1))

@@ -1,7 +1,8 @@
 """The tutorials: every one runs in --quick mode (a subprocess, as a reader runs it) and must exit 0 and print its key
-line(s). The exercise checkers are tested in test_exercises.py."""
+line(s); the figures a tutorial teaches are checked too. The exercise checkers are tested in test_exercises.py."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +24,32 @@ TUTORIALS = {
     "04_unified_batching": "outputs identical under both policies: True",
     "05_delayed_verification": "plain == sync == async, every request, token for token: True",
     "06_dynamic_kv_cache": "outputs identical with and without the bound: True",
-    "07_all_together": "$ python -m nano_sparsespec.generate",
+    "07_all_together": "Qwen3-8B needs 16.4 GB of bf16 weights plus 144 KiB of KV per token: on an H200 (141 GB) "
+                       "about 0.85 M tokens of KV.",
     "08_stale_selection": "Every run identical to plain greedy: True",
 }
+
+
+def check_all_together(out: str) -> None:
+    """Tutorial 07 teaches how to read the CLI's summary and the benchmark's table: in its quick run (8 new tokens,
+    k = 8; the bench with 2 requests of 8 tokens) the summary counts 8 tokens and at most the drafts offered, each
+    offering at most k; every bench row is there, writing plain decoding's tokens (greedy), the speculative rows with
+    their accepted drafts out of k = 4."""
+    summary = re.search(r"^\[stderr\] 8 tokens in [0-9.]+ s: [0-9.]+ tok/s; ([0-9.]+) of ([0-9.]+) drafts accepted "
+                        r"per verification$", out, re.M)
+    assert summary, out[-3000:]
+    accepted, offered = float(summary[1]), float(summary[2])
+    assert 0 <= accepted <= offered <= 8, summary[0]
+    rows = dict(re.findall(r"^\| (plain|pillar-naive|\+balanced|\+async) \|(.*)$", out, re.M))
+    assert list(rows) == ["plain", "pillar-naive", "+balanced", "+async"], out[-3000:]
+    for name, cells in rows.items():
+        cells = [c.strip() for c in cells.split("|")]
+        assert cells[-2] == "2/2 (8)", (name, cells)                         # = plain: both requests, all 8 tokens
+        acc = re.fullmatch(r"([0-9.]+) / 4", cells[3])
+        assert (acc is None) == (name == "plain") and (acc is None or float(acc[1]) <= 4), (name, cells)
+
+
+FIGURES = {"07_all_together": check_all_together}   # tutorial module -> a check of the figures its quick run prints
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +69,8 @@ def test_tutorial_runs_in_quick_mode(name, embedded_tokenizer):
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     lines = TUTORIALS[name] if isinstance(TUTORIALS[name], tuple) else (TUTORIALS[name],)
     assert all(line in done.stdout for line in lines), done.stdout[-3000:]
+    if name in FIGURES:
+        FIGURES[name](done.stdout)
 
 
 def test_build_it_yourself_teaches_what_it_says(embedded_tokenizer):

@@ -207,7 +207,7 @@ def test_sample_and_verify_from_logits(compiled):
     """`sample_drafts` / `verify_logits` (what the engine calls; `compile_sampling` fuses them on the fast path) give
     what the separate steps give: `probs_from_logits` row by row, then `sample` / `verify`. Eager: exactly. Compiled:
     the hash's integer ops exactly (same uniforms), probabilities within float rounding, so tokens agree but for a rare
-    uniform that lands on a rounded boundary; greedy rows exactly."""
+    uniform that lands on a rounded boundary (at most one row of 300); greedy rows exactly."""
     g = torch.Generator().manual_seed(21)
     B, K, V = 300, 4, 500
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0][b % 3], top_k=[0, 40][b % 2], top_p=[1.0, 0.8][b % 4 // 2])
@@ -233,10 +233,11 @@ def test_sample_and_verify_from_logits(compiled):
     finally:
         vf.use_eager_sampling()
 
-    def same(a, b):   # exactly; compiled: greedy rows exactly, the others but for rare boundary cases
+    def same(a, b):   # exactly; compiled: greedy rows exactly, the others but for a rare boundary case
         if not compiled:
             return torch.equal(a, b)
-        return torch.equal(a[greedy], b[greedy]) and (a == b).float().mean() > 0.98
+        # measured: no row of 300 differs (a uniform within float rounding of a boundary is a ~1e-6 event per row)
+        return torch.equal(a[greedy], b[greedy]) and int((a != b).sum()) <= 1
 
     if compiled:
         torch.testing.assert_close(got_probs, probs.view(B, K + 1, V)[:, 0], atol=1e-6, rtol=1e-5)
@@ -487,6 +488,24 @@ def test_rejection_sampler_two_tokens_joint(name):
     assert (r1.num_accepted == 0).any() and (r1.num_accepted >= 1).any()
     joint = counts_of(tok1 * V + tok2, V * V)
     assert_distribution(joint, np.outer(p[0].numpy(), p[1].numpy()))
+
+
+def test_residual_distribution_contract():
+    """normalize(max(0, p - q)) row by row: a distribution (sums to 1), zero wherever q >= p, proportional to p - q
+    elsewhere; a row whose residual is all zero (q >= p everywhere, i.e. q == p) falls back to p."""
+    g = torch.Generator().manual_seed(4)
+    B, V = 64, 50
+    p = (2 * torch.randn(B, V, generator=g)).softmax(-1)
+    q = (2 * torch.randn(B, V, generator=g)).softmax(-1)
+    q[:8] = p[:8]                                             # no residual mass: the fallback rows
+    q[8:16] = torch.where(torch.rand(B - 56, V, generator=g) < 0.5, p[8:16], q[8:16])   # ties: q == p in places
+    r = vf.residual_distribution(p, q)
+    assert r.shape == (B, V) and (r >= 0).all()
+    torch.testing.assert_close(r.sum(-1), torch.ones(B))
+    assert torch.equal(r[:8], p[:8])
+    assert (r[8:][q[8:] >= p[8:]] == 0).all() and (q[8:] >= p[8:]).any(-1).all()
+    diff = (p[8:] - q[8:]).clamp_min(0)
+    torch.testing.assert_close(r[8:], diff / diff.sum(-1, keepdim=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
