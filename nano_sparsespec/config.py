@@ -170,7 +170,8 @@ class SpecConfig:
     lookup_matches pillar-lookup: earlier positions of the draft's input token (and the one after
                    each) that replace the lowest-ranked critical ones; None: `num_lookups`
     keep_accepted  pillar, pillar-lookup: the positions a verification just accepted join the next
-                   selection first, in place of its lowest-ranked positions (the budget stays)
+                   selection first, in place of its lowest-ranked positions (the budget stays), as
+                   the official SparseSpec code keeps them; it raises acceptance a little
     ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
     batch_policy   naive (all requests verify on the same step) or balanced (staggered)
     async_verify   delayed verification: a request that verifies at step t sits out step t+1
@@ -185,7 +186,7 @@ class SpecConfig:
     min_budget: int = 128
     sink_tokens: int = 4
     lookup_matches: int | None = None
-    keep_accepted: bool = False
+    keep_accepted: bool = True
     ngram_max: int = 4
     ngram_min: int = 2
     batch_policy: str = "balanced"

@@ -231,7 +231,8 @@ def main(argv=None) -> None:
     _, sampled = speculate(model, ids, new_tokens, k, budget, temperature=0.8)
     print(f"T = 0.8 with rejection sampling: {sum(n for n, _ in sampled) / len(sampled):.2f} drafts accepted per "
           f"verification")
-    with_spec(llm, method="pillar", stride=k, min_budget=budget, budget_ratio=0.01, batch_policy="naive")
+    with_spec(llm, method="pillar", stride=k, min_budget=budget, budget_ratio=0.01, batch_policy="naive",
+              keep_accepted=False)                  # PillarAttn alone, as written above
     got = llm.generate(None, params, prompt_token_ids=[ids])[0]
     print(f"the engine (method='pillar', k={k}, budget {budget}): same tokens {got.token_ids == plain}, "
           f"{llm.last_stats.summary(k)['mean_accepted']} accepted per verification")

@@ -163,7 +163,7 @@ def main(argv=None) -> None:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     print(f"prompt: {len(ids)} tokens; {new_tokens} new tokens, greedy, k = {k}, budget {budget} positions per "
           f"(layer, KV head)")
-    spec = dict(stride=k, min_budget=budget, budget_ratio=0.01, batch_policy="naive")
+    spec = dict(stride=k, min_budget=budget, budget_ratio=0.01, batch_policy="naive", keep_accepted=False)
 
     with_spec(llm, method="plain")
     plain = llm.generate(None, params, prompt_token_ids=[ids])[0]

@@ -6,7 +6,7 @@ greedy decoding the target would write its most likely token at every row. The d
 are what the target would have written; the first draft the target disagrees with, and every draft after it, is
 thrown away, and the target's own token at that row (the *correction*) is emitted instead. If the target agrees with
 every draft, its last row gives one more token for free (the *bonus*). Either way a verification writes accepted + 1
-tokens, and they are exactly the tokens plain greedy decoding would have written (tutorial 01).
+tokens, and they are exactly the tokens plain greedy decoding would have written (tutorials 01 and 02).
 
 Check your answer: python -m tutorials.check 1          (reference: nano_sparsespec.verifier.verify_greedy)
 """

@@ -1,13 +1,13 @@
 """Exercise 4: the phase clock of the unified scheduler (balanced policy).
 
 Every decoding request repeats a cycle: k steps that each write one draft, then one step that verifies them. With
-delayed verification (tutorial 04) the verification's result is only known one step later, and the request, having
+delayed verification (tutorial 05) the verification's result is only known one step later, and the request, having
 nothing to draft from, spends that step waiting for it (a *stall*): the cycle has one step more. All requests share one
 global step counter, and every request owns a *verify slot* s, a position in the cycle: it verifies on global step s
 and then on every step a whole number of cycles away from it (before and after), and drafts on the others. The
 naive policy gives everyone slot 0: all verify on the same step. The balanced policy gives a request that finishes its
 prefill the least-loaded slot, so each step carries about B / P verifications for B requests and P steps per cycle
-(tutorial 03).
+(tutorial 04).
 
 Check your answer: python -m tutorials.check 4
 (reference: nano_sparsespec.scheduler.Scheduler: .period, .assign_slot, .action)

@@ -1,6 +1,6 @@
 """Exercise 5: the offload victim policy of the dynamic KV cache.
 
-When the next step's new KV does not fit the device pool, one whole request moves to the host pool (tutorial 05): its
+When the next step's new KV does not fit the device pool, one whole request moves to the host pool (tutorial 06): its
 work in this step is dropped and it comes back once the pool has room. Which one should go? The scheduler's answer
 follows from four concerns:
 
