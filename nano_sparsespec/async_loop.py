@@ -118,7 +118,8 @@ class StepEvent:
     kv_positions: int              # KV positions its attention reads (`kv_positions_read`)
 
 
-CommitCallback = Callable[[Sequence, list[int], int], None]   # (request, new tokens, accepted drafts)
+# (request, new tokens, accepted drafts)
+CommitCallback = Callable[[Sequence, list[int], int], None]
 SelectionCallback = Callable[[Sequence, "torch.Tensor | None", torch.Tensor], None]
 
 
