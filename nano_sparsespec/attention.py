@@ -65,7 +65,7 @@ class SparseBatch:
     (`AttentionContext.draft_k` / `draft_v`): its critical positions' K/V, then those its drafts
     wrote since the last verification."""
     q_index: torch.Tensor        # [Bs] row of each draft token in the step's flat token list
-    read_row: torch.Tensor       # [Bs] its row in `valid` and the buffers (padding draft: R, unread)
+    read_row: torch.Tensor       # [Bs] its row in `valid` and the buffers (padding: R, unread)
     write_row: torch.Tensor      # [Bs] the buffer row its own K/V go to (padding: the scratch row)
     write_column: torch.Tensor   # [Bs] ... and the column there
     valid: torch.Tensor          # [L, R + 1, n_kv, N] bool: the columns each row attends to
