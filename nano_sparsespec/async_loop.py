@@ -1,17 +1,19 @@
 """The engine loop, synchronous or with delayed verification, and what it lets callers observe.
 
 Owns
-  * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping of a
-    step's results: committing accepted tokens, rolling back rejected KV, refreshing each request's
-    critical positions, stop checks (EOS, stop strings, max_new_tokens, context end) and statistics.
+  * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping
+    of a step's results: committing accepted tokens, rolling back rejected KV, refreshing each
+    request's critical positions, stop checks (EOS, stop strings, max_new_tokens, context end)
+    and statistics.
     - sync: step t's results are processed before step t+1 is scheduled.
-    - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host processes
-      step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
-      synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits out
-      one step (the stall); plain decoding instead runs ahead on the token in flight
-      (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
-  * the observer callbacks (`Observers`): each launched step (`StepEvent`), each commit of tokens, each
-    refresh of a request's critical positions. Tools and tutorials watch the engine through them.
+    - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host
+      processes step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t
+      (the one synchronisation is `StepResult.fetch`). A request whose verification is still in
+      flight sits out one step (the stall); plain decoding instead runs ahead on the token in
+      flight (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
+  * the observer callbacks (`Observers`): each launched step (`StepEvent`), each commit of
+    tokens, each refresh of a request's critical positions. Tools and tutorials watch the
+    engine through them.
   * `RunStats`: what one run did, step by step.
 
 Must not re-implement sampling (verifier.py) or attention (attention.py, pillar_attn.py).
@@ -41,18 +43,21 @@ class RunStats:
     seconds: float = 0.0
     output_tokens: int = 0
     steps: int = 0
-    tokens_per_step: list[int] = field(default_factory=list)        # tokens through the linear layers (GEMM batch)
-    kv_positions_per_step: list[int] = field(default_factory=list)  # KV positions each step's attention reads
+    # tokens through the linear layers (GEMM batch)
+    tokens_per_step: list[int] = field(default_factory=list)
+    # KV positions each step's attention reads
+    kv_positions_per_step: list[int] = field(default_factory=list)
     verifications_per_step: list[int] = field(default_factory=list)
     drafts_per_step: list[int] = field(default_factory=list)
-    accepted_counts: list[int] = field(default_factory=list)        # accepted drafts per verification with drafts
-    drafts_offered: list[int] = field(default_factory=list)         # drafts checked per verification with drafts
-    verify_contexts: list[int] = field(default_factory=list)        # verified context length at each of them
+    # per verification with drafts: accepted drafts, drafts checked, verified context length
+    accepted_counts: list[int] = field(default_factory=list)
+    drafts_offered: list[int] = field(default_factory=list)
+    verify_contexts: list[int] = field(default_factory=list)
     offloads: int = 0
     restores: int = 0
-    graphs_recorded: int = 0                                        # CUDA graphs recorded (cuda_graphs=True)
-    graph_record_seconds: float = 0.0                               # ... and the wall time that took (in `seconds`)
-    graph_record_compile_seconds: float = 0.0                       # ... of which torch.compile compiled
+    graphs_recorded: int = 0                  # CUDA graphs recorded (cuda_graphs=True)
+    graph_record_seconds: float = 0.0         # ... and the wall time that took (in `seconds`)
+    graph_record_compile_seconds: float = 0.0  # ... of which torch.compile compiled
 
     @property
     def tokens_per_second(self) -> float:
@@ -66,7 +71,8 @@ class RunStats:
 
 
 def acceptance_summary(accepted: list[int], offered: list[int], stride: int) -> dict:
-    """Mean accepted drafts per verification, histogram of accepted counts, acceptance rate per draft position."""
+    """Mean accepted drafts per verification, histogram of accepted counts, acceptance rate per
+    draft position."""
     if not offered:
         return {"verifications": 0}
     histogram = [0] * (stride + 1)
@@ -82,13 +88,15 @@ def acceptance_summary(accepted: list[int], offered: list[int], stride: int) -> 
             "mean_offered": round(sum(offered) / len(offered), 3),
             "tokens_per_verification": round(1 + sum(accepted) / len(offered), 3),
             "accepted_histogram": histogram,
-            "acceptance_by_position": [round(t / r, 3) if r else None for t, r in zip(taken, reached)]}
+            "acceptance_by_position": [round(t / r, 3) if r else None
+                                       for t, r in zip(taken, reached)]}
 
 
 def kv_positions_read(works: list[Work], selection_len: list[int], method: str) -> int:
-    """KV positions one step reads, summed over requests: a dense work (prefill chunk, verification, plain
-    decode, `full` drafts) reads its context up to its last query token once for all its query tokens; a
-    sparse draft reads its selected positions plus those written since the last verification."""
+    """KV positions one step reads, summed over requests: a dense work (prefill chunk,
+    verification, plain decode, `full` drafts) reads its context up to its last query token once
+    for all its query tokens; a sparse draft reads its selected positions plus those written
+    since the last verification."""
     total = 0
     for w in works:
         if w.kind == "draft" and method != "full":
@@ -106,11 +114,12 @@ class StepEvent:
     running: list[Sequence]        # the scheduler's running requests right after scheduling
     offloaded: list[Sequence]      # ... and its offloaded ones
     started: float                 # time.perf_counter() when scheduling began
-    launch_seconds: float          # host seconds the launch took (device work is queued, not awaited)
-    kv_positions: int              # KV positions the step's attention reads (`kv_positions_read`)
+    launch_seconds: float          # host seconds the launch took (device work is not awaited)
+    kv_positions: int              # KV positions its attention reads (`kv_positions_read`)
 
 
-CommitCallback = Callable[[Sequence, list[int], int], None]   # (request, new tokens, accepted drafts)
+# (request, new tokens, accepted drafts)
+CommitCallback = Callable[[Sequence, list[int], int], None]
 SelectionCallback = Callable[[Sequence, "torch.Tensor | None", torch.Tensor], None]
 
 
@@ -132,8 +141,10 @@ class Observers:
 class Engine:
     """Runs a batch of requests to completion on one model and one KV pool."""
 
-    def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache, eos_token_ids: set[int],
-                 decode_tail: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
+    def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache,
+                 eos_token_ids: set[int],
+                 decode_tail: Callable[[list[int]], str] | None = None,
+                 cuda_graphs: bool = False,
                  runner_class: type[ModelRunner] = ModelRunner):
         self.model, self.spec, self.cache = model, spec, cache
         self.eos = eos_token_ids
@@ -147,7 +158,8 @@ class Engine:
         if not seq.prompt_ids:
             raise ValueError("empty prompt: a request needs at least one token")
         if seq.num_prompt >= self.max_len:
-            raise ValueError(f"prompt of {seq.num_prompt} tokens does not fit the context of {self.max_len} tokens")
+            raise ValueError(f"prompt of {seq.num_prompt} tokens does not fit the context of "
+                             f"{self.max_len} tokens")
         vocab = self.model.config.vocab_size
         bad = [t for t in seq.prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -166,7 +178,8 @@ class Engine:
             launched = self.runner.launch(works) if works else None
             if launched is not None:
                 self._record_step(step, works, scheduled)
-            if in_flight is not None:          # delayed verification: step t-1 is processed while step t runs
+            # delayed verification: step t-1 is processed while step t runs
+            if in_flight is not None:
                 self._process(in_flight)
             in_flight = launched
             if not self.spec.async_verify and in_flight is not None:
@@ -176,11 +189,13 @@ class Engine:
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
         self.stats.seconds = time.perf_counter() - start
-        self.stats.offloads, self.stats.restores = self.scheduler.offload_events, self.scheduler.restore_events
+        self.stats.offloads, self.stats.restores = (self.scheduler.offload_events,
+                                                    self.scheduler.restore_events)
         if self.runner.graphs is not None:
             self.stats.graphs_recorded = len(self.runner.graphs.steps)
             self.stats.graph_record_seconds = self.runner.graphs.record_seconds
-            self.stats.graph_record_compile_seconds = self.runner.graphs.record_compile_seconds
+            self.stats.graph_record_compile_seconds = (
+                self.runner.graphs.record_compile_seconds)
         return self.stats
 
     def _record_step(self, step: int, works: list[Work], scheduled: float) -> None:
@@ -194,13 +209,13 @@ class Engine:
         self.stats.drafts_per_step.append(sum(w.kind == "draft" for w in works))
         if self.observers.on_step is not None:
             s = self.scheduler
-            self.observers.on_step(StepEvent(step, works, list(s.running), list(s.offloaded), scheduled,
-                                             launched - scheduled, kv_positions))
+            self.observers.on_step(StepEvent(step, works, list(s.running), list(s.offloaded),
+                                             scheduled, launched - scheduled, kv_positions))
 
-    # --- host bookkeeping of one step's results ----------------------------------------------------------------------
+    # --- host bookkeeping of one step's results -------------------------------------------
     def _process(self, result: StepResult) -> None:
         got = result.fetch()
-        refresh = []                                   # (index in result, request) whose critical positions change
+        refresh = []   # (index in result, request) whose critical positions change
         for i, w in enumerate(result.verify_works):
             seq = w.seq
             seq.results_in_flight -= 1
@@ -217,7 +232,7 @@ class Engine:
                     self.stats.drafts_offered.append(offered)
                     self.stats.verify_contexts.append(w.start)
                 new_tokens = got["draft_tokens"][i][:accepted] + [got["next_token"][i]]
-            else:                                      # the last prefill chunk: its row gives the first token
+            else:          # the last prefill chunk: its row gives the first token
                 seq.status = Status.RUNNING
                 self.scheduler.assign_slot(seq)
                 new_tokens = [got["next_token"][i]]
@@ -239,7 +254,8 @@ class Engine:
                 reason = "stop"
             if reason:
                 break
-        seq.commit_log.append((min(accepted, len(committed)), len(committed) - min(accepted, len(committed))))
+        seq.commit_log.append((min(accepted, len(committed)),
+                               len(committed) - min(accepted, len(committed))))
         self.stats.output_tokens += len(committed)
         if self.observers.on_commit is not None:
             self.observers.on_commit(seq, committed, accepted)
@@ -251,8 +267,10 @@ class Engine:
         tail = self.decode_tail(seq.tokens[max(seq.num_prompt, len(seq.tokens) - (longest + 8)):])
         return any(s in tail for s in seq.params.stop)
 
-    def _refresh_drafting_state(self, result: StepResult, refresh: list[tuple[int, Sequence]]) -> None:
-        """After a verification: the next cycle's critical positions (pillar, streaming) or n-gram proposal."""
+    def _refresh_drafting_state(self, result: StepResult,
+                                refresh: list[tuple[int, Sequence]]) -> None:
+        """After a verification: the next cycle's critical positions (pillar, streaming) or n-gram
+        proposal."""
         if not refresh:
             return
         cfg, spec = self.model.config, self.spec
@@ -260,19 +278,21 @@ class Engine:
         if spec.method in ("pillar", "pillar-lookup"):
             index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
             context = [s.num_verified for s in seqs]
-            scores = result.scores[:, index]                                   # [L, B, n_kv, Lmax]
+            scores = result.scores[:, index]                    # [L, B, n_kv, Lmax]
             chosen = pillar_attn.select_pillar(scores, context, [spec.budget(c) for c in context])
             if spec.keep_accepted:
                 chosen = self._keep_accepted(result, refresh, chosen)
-            self.runner.set_selections(seqs, chosen)        # in rank order: lookups displace the last ones
+            # in rank order: lookups displace the last ones
+            self.runner.set_selections(seqs, chosen)
             if spec.method == "pillar-lookup":
                 for seq in seqs:
                     self.runner.set_context_tokens(seq)
             self._observe_selections(seqs, chosen, scores)
         elif spec.method == "streaming":
             chosen = [pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
-                                                   spec.sink_tokens, cfg.num_layers, cfg.num_kv_heads,
-                                                   device=self.cache.device) for seq in seqs]
+                                                   spec.sink_tokens, cfg.num_layers,
+                                                   cfg.num_kv_heads, device=self.cache.device)
+                      for seq in seqs]
             self.runner.set_selections(seqs, chosen)
             self._observe_selections(seqs, chosen)
         elif spec.method == "ngram":
@@ -292,15 +312,18 @@ class Engine:
         if M == 0:
             return chosen
         N, device = max(widths), self.cache.device
-        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])   # [B, L, n_kv, N]
+        # [B, L, n_kv, N]
+        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])
         keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
-        valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool, device)
+        valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool,
+                          device)
         merged = pillar_attn.keep_first(padded, to_device(widths, torch.long, device), keep, valid)
         return [merged[b, ..., :w] for b, w in enumerate(widths)]
 
     def _observe_selections(self, seqs: list[Sequence], chosen: list[torch.Tensor],
                             scores: torch.Tensor | None = None) -> None:
-        """Hand each refreshed selection to `Observers.on_selection` (scores cut to the request's context)."""
+        """Hand each refreshed selection to `Observers.on_selection` (scores cut to the request's
+        context)."""
         if self.observers.on_selection is None:
             return
         for b, (seq, positions) in enumerate(zip(seqs, chosen)):

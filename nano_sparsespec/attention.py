@@ -1,18 +1,21 @@
 """Attention in plain torch: dense over a request's whole paged KV, sparse over its draft buffers.
 
 Owns
-  * `attend(layer, q, k, v, ctx)`: the one attention call the model makes. It writes the step's K/V
-    into the paged pool, then runs
+  * `attend(layer, q, k, v, ctx)`: the one attention call the model makes. It writes the step's
+    K/V into the paged pool, then runs
       - dense attention for the requests whose tokens see their whole context (prefill chunks,
         verification, plain decoding, the `full` drafter), with the PillarAttn scores of a
         verification's rows when `DenseBatch.score_weight` asks for them (pillar_attn.py);
-      - sparse attention for draft tokens: each draft query attends only to its request's row of the
-        draft buffers, which hold the K/V of its critical positions (copied there once per selection,
-        `fill_draft_buffers`) and then of every position its drafts wrote since the last verification.
+      - sparse attention for draft tokens: each draft query attends only to its request's row of
+        the draft buffers, which hold the K/V of its critical positions (copied there once per
+        selection, `fill_draft_buffers`) and then of every position its drafts wrote since the
+        last verification.
     Both are batched over requests and heads: no Python loop over requests x layers x heads.
-  * the step's attention batches (`AttentionContext`, `DenseBatch`, `SparseBatch`), built by the runner.
+  * the step's attention batches (`AttentionContext`, `DenseBatch`, `SparseBatch`), built by the
+    runner.
   * `_kernels`, the functions `attend` calls: the eager ones here, or the fast path's compiled and
-    paged ones (kernels.py swaps them in; `prepare` and `finish` run once per forward around the layers).
+    paged ones (kernels.py swaps them in; `prepare` and `finish` run once per forward around the
+    layers).
 
 Must not know about scheduling or sampling.
 """
@@ -28,42 +31,45 @@ from .pillar_attn import attention_probs, pillar_scores, weighted_scores
 
 @dataclass
 class DenseBatch:
-    """Requests that attend densely this step, padded to Qmax query rows and Lmax context positions."""
-    q_index: torch.Tensor        # [Bd, Qmax]   row of each query in the step's flat token list; padding
-                                 #              queries read and write the step's padding row (its last)
+    """Requests that attend densely this step, padded to Qmax query rows and Lmax context
+    positions."""
+    q_index: torch.Tensor        # [Bd, Qmax]   row of each query in the step's flat token list;
+                                 #   padding queries read and write the step's last (padding) row
     q_valid: torch.Tensor        # [Bd, Qmax]   bool: real query (False: padding)
-    block_table: torch.Tensor    # [Bd, Lmax / block]  pool blocks of each request's context, in order
+    block_table: torch.Tensor    # [Bd, Lmax / block]  pool blocks of each request's context
     q_start: torch.Tensor        # [Bd]         position of each request's first query row
-    runs: tuple                  # ((first request, count, mask [count, Q, L] bool, prefill), ...): the
-                                 #   requests attended together, each run padded to its own Q and L; one
-                                 #   run of the whole batch, or prefill chunks apart (`prefill`: only a
-                                 #   final chunk's last row can be scored)
-    score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each row in the PillarAttn scores
+    runs: tuple                  # ((first request, count, mask [count, Q, L] bool, prefill), ...):
+                                 #   the requests attended together, each run padded to its own Q
+                                 #   and L; one run of the whole batch, or prefill chunks apart
+                                 #   (`prefill`: only a final chunk's last row can be scored)
+    score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each row in PillarAttn scores
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled when score_weight is set
     block_mask: object | None = None          # the paged kernel's BlockMask (fast path, kernels.py)
-    score_queries: dict = field(default_factory=dict)   # layer -> queries [Bd, Qmax, n_heads, D] the
-                                                        #   paged path keeps for kernels.finish
+    # layer -> queries [Bd, Qmax, n_heads, D] the paged path keeps for kernels.finish
+    score_queries: dict = field(default_factory=dict)
 
 
 def causal_mask(q_start: torch.Tensor, q_valid: torch.Tensor, context: int) -> torch.Tensor:
-    """q_start: [B]; q_valid: [B, Q] bool -> [B, Q, context] bool: row q of request b sees positions up
-    to q_start[b] + q; a padding row sees position 0 alone (a finite softmax; its output is dropped)."""
-    kv_pos = torch.arange(context, device=q_valid.device)[None, None, :]                 # [1, 1, L]
+    """q_start: [B]; q_valid: [B, Q] bool -> [B, Q, context] bool: row q of request b sees
+    positions up to q_start[b] + q; a padding row sees position 0 alone (a finite softmax; its
+    output is dropped)."""
+    kv_pos = torch.arange(context, device=q_valid.device)[None, None, :]          # [1, 1, L]
     rows = torch.arange(q_valid.shape[1], device=q_valid.device)
-    q_pos = (q_start[:, None] + rows)[:, :, None]                                        # [B, Q, 1]
+    q_pos = (q_start[:, None] + rows)[:, :, None]                                 # [B, Q, 1]
     return (kv_pos <= q_pos) & (q_valid[:, :, None] | (kv_pos == 0))
 
 
 @dataclass
 class SparseBatch:
-    """Draft tokens that attend to their request's row of the draft buffers (`AttentionContext.draft_k`
-    / `draft_v`): its critical positions' K/V, then those its drafts wrote since the last verification."""
+    """Draft tokens that attend to their request's row of the draft buffers
+    (`AttentionContext.draft_k` / `draft_v`): its critical positions' K/V, then those its drafts
+    wrote since the last verification."""
     q_index: torch.Tensor        # [Bs] row of each draft token in the step's flat token list
-    read_row: torch.Tensor       # [Bs] its row in `valid` and the buffers (a padding draft: R, unread)
+    read_row: torch.Tensor       # [Bs] its row in `valid` and the buffers (padding: R, unread)
     write_row: torch.Tensor      # [Bs] the buffer row its own K/V go to (padding: the scratch row)
     write_column: torch.Tensor   # [Bs] ... and the column there
-    valid: torch.Tensor          # [L, R + 1, n_kv, N] bool: the columns each row attends to (rows no
-                                 #   draft reads: column 0 alone, a finite softmax)
+    valid: torch.Tensor          # [L, R + 1, n_kv, N] bool: the columns each row attends to
+                                 #   (rows no draft reads: column 0 alone, a finite softmax)
 
 
 @dataclass
@@ -80,55 +86,63 @@ class AttentionContext:
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            ctx: AttentionContext | None) -> torch.Tensor:
-    """q: [T, n_heads, D]; k, v: [T, n_kv, D] -> [T, n_heads, D]. With ctx None: one sequence, causal,
-    no cache (the reference path of `CausalLM.full_logits`)."""
+    """q: [T, n_heads, D]; k, v: [T, n_kv, D] -> [T, n_heads, D]. With ctx None: one sequence,
+    causal, no cache (the reference path of `CausalLM.full_logits`)."""
     if ctx is None:
         group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-                                             v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1),
+                                             k.repeat_interleave(group, 1).transpose(0, 1),
+                                             v.repeat_interleave(group, 1).transpose(0, 1),
+                                             is_causal=True)
         return out.transpose(0, 1)
     _kernels["store"](ctx.k_cache[layer], ctx.v_cache[layer], ctx.slot_mapping, k, v)
     out = torch.zeros_like(q)   # zeros: a padded step (cuda_graphs.py) has rows no batch writes
     if ctx.dense is not None:
         if ctx.dense.block_mask is None:
             _dense_gathered(layer, out, q, k.shape[1:], ctx)
-        else:   # the fast path's paged kernel reads the pool in place; scores come in kernels.finish
+        else:   # the fast path's paged kernel reads the pool in place; scored in kernels.finish
             d = ctx.dense
-            _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer], d.block_mask)
+            _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer],
+                              d.block_mask)
             if d.score_weight is not None:
-                d.score_queries[layer] = q[d.q_index]                           # [Bd, Qmax, n_heads, D]
+                d.score_queries[layer] = q[d.q_index]             # [Bd, Qmax, n_heads, D]
     if ctx.sparse is not None:
         s = ctx.sparse
-        _kernels["sparse"](out, q, k, v, ctx.draft_k[layer], ctx.draft_v[layer], s.q_index, s.read_row,
-                           s.write_row, s.write_column, s.valid[layer])
+        _kernels["sparse"](out, q, k, v, ctx.draft_k[layer], ctx.draft_v[layer], s.q_index,
+                           s.read_row, s.write_row, s.write_column, s.valid[layer])
     return out
 
 
 def _dense_gathered(layer: int, out: torch.Tensor, q: torch.Tensor, kv_shape: torch.Size,
                     ctx: AttentionContext) -> None:
-    """Dense attention of each run over its requests' K/V gathered a whole pool block at a time, and the
-    PillarAttn scores of the rows `score_weight` marks, from the same keys. Writes out[q_index]."""
+    """Dense attention of each run over its requests' K/V gathered a whole pool block at a time,
+    and the PillarAttn scores of the rows `score_weight` marks, from the same keys. Writes
+    out[q_index]."""
     d = ctx.dense
     blocks = ctx.k_cache.shape[1] // ctx.block_size
 
-    def gathered(cache, table):                                                    # [B, L, n_kv, D]
-        return gather_rows(cache[layer].view(blocks, -1), table).view(table.shape[0], -1, *kv_shape)
+    def gathered(cache, table):                                            # [B, L, n_kv, D]
+        return gather_rows(cache[layer].view(blocks, -1), table).view(table.shape[0], -1,
+                                                                       *kv_shape)
 
     for first, B, mask, prefill in d.runs:
         (_, Q, L), requests = mask.shape, slice(first, first + B)
-        q_index = d.q_index[requests, :Q]                                          # [B, Q]
+        q_index = d.q_index[requests, :Q]                                  # [B, Q]
         table = d.block_table[requests, :L // ctx.block_size]
         keys = gathered(ctx.k_cache, table)
-        weight = None if d.score_weight is None else d.score_weight[requests, :Q]  # [B, Q]
+        # [B, Q]
+        weight = None if d.score_weight is None else d.score_weight[requests, :Q]
         dense_out, scores = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask,
                                             None if prefill else weight)
-        out[q_index.flatten()] = dense_out.flatten(0, 1)   # padding queries all land in the padding row
+        # padding queries all land in the padding row
+        out[q_index.flatten()] = dense_out.flatten(0, 1)
         if weight is None:
             continue
-        if prefill:   # a final prefill chunk scores its last row alone (all rows would cost far more)
+        if prefill:   # a final prefill chunk scores its last row alone (all rows cost far more)
             last = (d.q_valid[requests, :Q].sum(1, keepdim=True) - 1).clamp(min=0)   # [B, 1]
             mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))              # [B, 1, L]
-            scores = _kernels["scores"](q[q_index.gather(1, last)], keys, mask, weight.gather(1, last))
+            scores = _kernels["scores"](q[q_index.gather(1, last)], keys, mask,
+                                        weight.gather(1, last))
         d.scores[layer, requests, :, :L] = scores                                  # [B, n_kv, L]
 
 
@@ -144,31 +158,36 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, 
 def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: torch.Tensor,
                        draft_v: torch.Tensor, block_table: torch.Tensor, block_size: int,
                        positions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> None:
-    """Copy the pool's K/V of `positions` into rows of the draft buffers, all layers and KV heads at once.
+    """Copy the pool's K/V of `positions` into rows of the draft buffers, all layers and KV heads
+    at once.
 
-    k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: [L, rows + 1, n_kv, C, D]; block_table:
-    [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer and KV head;
-    columns: [B, n] where they go in each (layer, KV head) of the row.
-    Rows of D move through one flat index each way (`gather_rows`, `index_copy_`): one read and one
-    write of rows per pool, whatever the number of layers and heads."""
+    k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: [L, rows + 1, n_kv, C, D];
+    block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer
+    and KV head; columns: [B, n] where they go in each (layer, KV head) of the row.
+    Rows of D move through one flat index each way (`gather_rows`, `index_copy_`): one read and
+    one write of rows per pool, whatever the number of layers and heads."""
     L, pool_slots, n_kv, D = k_cache.shape
     C = draft_k.shape[-2]
-    slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) * block_size \
-        + positions % block_size                                                   # [B, L, n_kv, n]
+    # [B, L, n_kv, n]
+    slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) \
+        * block_size + positions % block_size
     heads = torch.arange(n_kv, device=positions.device)[:, None]                   # [n_kv, 1]
     layers = torch.arange(L, device=positions.device)[:, None]                     # [L, 1]
-    # rows of the caches viewed [L * slots * n_kv, D] and of the buffers [L * (rows + 1) * n_kv * C, D]
+    # rows of the caches viewed [L * slots * n_kv, D] and of the buffers
+    # [L * (rows + 1) * n_kv * C, D]
     source = layers * pool_slots * n_kv + (slots * n_kv + heads).transpose(0, 1).reshape(L, -1)
+    # [L, B*n_kv*n]
     target = layers * (draft_k[0].numel() // D) \
-        + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)   # [L, B*n_kv*n]
+        + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
-        buffer.view(-1, D).index_copy_(0, target.flatten(), gather_rows(cache.view(-1, D), source.flatten()))
+        buffer.view(-1, D).index_copy_(0, target.flatten(),
+                                       gather_rows(cache.view(-1, D), source.flatten()))
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """table[index] for a 2-D table, each row copied whole: [rows, width], index [...] -> [..., width].
-    `index_select` over the rows viewed as integers of the element's size: on the CPU both are far
-    faster than advanced indexing of floating-point rows."""
+    """table[index] for a 2-D table, each row copied whole: [rows, width], index [...] ->
+    [..., width]. `index_select` over the rows viewed as integers of the element's size: on the
+    CPU both are far faster than advanced indexing of floating-point rows."""
     raw = table.view(_SAME_SIZE_INTEGER[table.element_size()])
     return raw.index_select(0, index.flatten()).view(table.dtype).view(*index.shape, table.shape[1])
 
@@ -179,27 +198,30 @@ _SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.i
 def dense_attention(q, k, v, mask, score_weight=None):
     """Padded dense attention with GQA, optionally with the PillarAttn scores of the weighted rows.
 
-    q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool; score_weight: [B, Q] or None
-    -> out [B, Q, n_heads, D], scores [B, n_kv, L] (`pillar_attn.weighted_scores`) or None.
-    Without scores: torch's fused SDPA, the G query heads of a KV head packed into G x Q rows so each
-    KV head is read once for all of them. With scores: the float32 probabilities the scores need give
-    the output too (probabilities x V), instead of computing the logits twice."""
+    q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool; score_weight: [B, Q] or
+    None -> out [B, Q, n_heads, D], scores [B, n_kv, L] (`pillar_attn.weighted_scores`) or None.
+    Without scores: torch's fused SDPA, the G query heads of a KV head packed into G x Q rows so
+    each KV head is read once for all of them. With scores: the float32 probabilities the scores
+    need give the output too (probabilities x V), instead of computing the logits twice."""
     B, Q, H, _ = q.shape
     L, n_kv = k.shape[1], k.shape[2]
     if score_weight is not None:
-        probs = attention_probs(q.float(), k.float(), mask)                        # [B, n_kv, G, Q, L]
-        packed_probs = probs.to(v.dtype).view(B, n_kv, -1, L)                      # [B, n_kv, G*Q, L]
+        probs = attention_probs(q.float(), k.float(), mask)                  # [B, n_kv, G, Q, L]
+        packed_probs = probs.to(v.dtype).view(B, n_kv, -1, L)                # [B, n_kv, G*Q, L]
         out = torch.stack([torch.bmm(packed_probs[:, h], v[:, :, h]) for h in range(n_kv)], dim=1)
         return unpack_groups(out, Q), weighted_scores(probs, score_weight)
-    packed_mask = mask[:, None, None].expand(B, 1, H // n_kv, Q, L).reshape(B, 1, -1, L)   # [B, 1, G*Q, L]
-    out = F.scaled_dot_product_attention(pack_groups(q, n_kv), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=packed_mask)                    # [B, n_kv, G*Q, D]
+    # [B, 1, G*Q, L]
+    packed_mask = mask[:, None, None].expand(B, 1, H // n_kv, Q, L).reshape(B, 1, -1, L)
+    out = F.scaled_dot_product_attention(pack_groups(q, n_kv), k.transpose(1, 2),
+                                         v.transpose(1, 2),
+                                         attn_mask=packed_mask)              # [B, n_kv, G*Q, D]
     return unpack_groups(out, Q), None
 
 
 def pack_groups(q, n_kv):
-    """[B, Q, n_heads, D] -> [B, n_kv, G * Q, D]: per KV head, the rows of its G query heads, ordered
-    (head, query); query head h belongs to KV head h // G (the grouping of SDPA's enable_gqa)."""
+    """[B, Q, n_heads, D] -> [B, n_kv, G * Q, D]: per KV head, the rows of its G query heads,
+    ordered (head, query); query head h belongs to KV head h // G (the grouping of SDPA's
+    enable_gqa)."""
     B, Q, H, D = q.shape
     return q.view(B, Q, n_kv, H // n_kv, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, -1, D)
 
@@ -210,19 +232,22 @@ def unpack_groups(out, Q):
     return out.view(B, n_kv, GQ // Q, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, -1, D)
 
 
-def sparse_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_column, valid) -> None:
-    """One layer's draft tokens: their K/V join their rows of the draft buffers, then each attends to
-    its row.
+def sparse_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_column,
+                  valid) -> None:
+    """One layer's draft tokens: their K/V join their rows of the draft buffers, then each attends
+    to its row.
 
-    out: [T, n_heads, D] the layer's attention output (the drafts' rows are written); q: [T, n_heads, D];
-    k, v: [T, n_kv, D]; keys, values: the layer's draft buffers [rows + 1, n_kv, C, D]; q_index,
-    read_row, write_row, write_column: [Bs] (`SparseBatch`); valid: [R + 1, n_kv, N] the layer's.
-    One function, so that the fast path compiles the moves and the attention into a few kernels."""
-    heads = torch.arange(keys.shape[1], device=q.device)                           # [n_kv]
-    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]            # [Bs, n_kv, D]
+    out: [T, n_heads, D] the layer's attention output (the drafts' rows are written);
+    q: [T, n_heads, D]; k, v: [T, n_kv, D]; keys, values: the layer's draft buffers
+    [rows + 1, n_kv, C, D]; q_index, read_row, write_row, write_column: [Bs] (`SparseBatch`);
+    valid: [R + 1, n_kv, N] the layer's.
+    One function, so that the fast path compiles the moves and the attention into a few
+    kernels."""
+    heads = torch.arange(keys.shape[1], device=q.device)                       # [n_kv]
+    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]        # [Bs, n_kv, D]
     values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
     rows_read, _, N = valid.shape
-    queries = q.new_zeros(rows_read, *q.shape[1:])                                 # [R + 1, n_heads, D]
+    queries = q.new_zeros(rows_read, *q.shape[1:])                             # [R + 1, n_heads, D]
     queries[read_row] = q[q_index]
     out[q_index] = sparse_attention(queries, keys[:rows_read, :, :N], values[:rows_read, :, :N],
                                     valid)[read_row]
@@ -231,20 +256,21 @@ def sparse_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, writ
 def sparse_attention(q, k, v, valid):
     """Each row's query attends to its row of the draft buffers, where the K/V lie (no gather).
 
-    q: [R, n_heads, D]; k, v: [R, n_kv, N, D] the buffers' first N columns; valid: [R, n_kv, N] bool
-    -> [R, n_heads, D]. The G query heads of a KV head read its keys in one matmul."""
+    q: [R, n_heads, D]; k, v: [R, n_kv, N, D] the buffers' first N columns; valid: [R, n_kv, N]
+    bool -> [R, n_heads, D]. The G query heads of a KV head read its keys in one matmul."""
     R, H, D = q.shape
     n_kv = k.shape[1]
     if k.device.type == "cpu":
-        k = k.contiguous()   # the CPU's batched matmul over strided matrices takes a much slower path
-    q = q.view(R, n_kv, H // n_kv, D)                                              # [R, n_kv, G, D]
-    logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5              # [R, n_kv, G, N]
+        k = k.contiguous()   # the CPU's batched matmul over strided matrices is much slower
+    q = q.view(R, n_kv, H // n_kv, D)                                          # [R, n_kv, G, D]
+    logits = torch.matmul(q, k.transpose(-1, -2)).float() * D ** -0.5          # [R, n_kv, G, N]
     probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1)
     return torch.matmul(probs.to(v.dtype), v).reshape(R, H, D)
 
 
 def prepare(ctx: AttentionContext, group: int) -> None:
-    """Once per forward, before the layers (the fast path's paged kernel builds its block mask here)."""
+    """Once per forward, before the layers (the fast path's paged kernel builds its block mask
+    here)."""
     if _kernels["prepare"] is not None:
         _kernels["prepare"](ctx, group)
 
@@ -255,6 +281,6 @@ def finish(ctx: AttentionContext) -> None:
         _kernels["finish"](ctx)
 
 
-EAGER_KERNELS = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_drafts, "paged": None,
-                 "prepare": None, "finish": None}
+EAGER_KERNELS = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_drafts,
+                 "paged": None, "prepare": None, "finish": None}
 _kernels = dict(EAGER_KERNELS)   # what `attend` calls; kernels.py swaps in the fast path's

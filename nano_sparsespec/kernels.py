@@ -5,14 +5,15 @@ Same math as the eager path (attention.py), switched on from outside (`LLM(compi
 model's elementwise table and the verifier's sampling table.
 
 Owns
-  * `compile_kernels`: compiled K/V write, PillarAttn score pass and draft branch; with `paged` (a GPU
-    with CUDA graphs) dense decoding and verification read the paged pool in place:
-  * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`, `paged_dense`
-    and `paged_attention` (flex_attention's decoding kernel, long contexts cut into chunks that are
-    merged by their log-sum-exps), and `paged_finish`, which scores every layer of a verification in
-    one batched pass after the layers (the paged kernel returns no probabilities).
-Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU tests run
-it on tiny pools (`use_paged_reference`).
+  * `compile_kernels`: compiled K/V write, PillarAttn score pass and draft branch; with `paged`
+    (a GPU with CUDA graphs) dense decoding and verification read the paged pool in place:
+  * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
+    `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
+    chunks that are merged by their log-sum-exps), and `paged_finish`, which scores every layer
+    of a verification in one batched pass after the layers (the paged kernel returns no
+    probabilities).
+Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
+tests run it on tiny pools (`use_paged_reference`).
 
 Must not change what the eager path computes, or shape it.
 """
@@ -27,26 +28,27 @@ from .pillar_attn import pillar_scores
 
 # The paged kernel cuts contexts into chunks of at most this many positions, each a CTA's work.
 PAGED_CHUNK = 512
-# Triton settings of the decoding kernel: two pipeline stages overlap a block's loads with the previous
-# block's math (torch's default for sm_90 is one).
+# Triton settings of the decoding kernel: two pipeline stages overlap a block's loads with the
+# previous block's math (torch's default for sm_90 is one).
 PAGED_KERNEL_OPTIONS = {"num_stages": 2, "num_warps": 2}
-# Bytes the score pass of one `paged_finish` chunk of layers may take (their gathered keys and logits).
+# Bytes the score pass of one `paged_finish` chunk of layers may take (gathered keys and logits).
 SCORE_CHUNK_BYTES = 1 << 30
 
 
 def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
-    """What `LLM(compile=True)` switches on for every model in this process: the compiled attention
-    kernels (on a GPU with CUDA graphs, the paged kernel), the layers' fused elementwise pieces, and
-    fused sampling and verification."""
+    """What `LLM(compile=True)` switches on for every model in this process: the compiled
+    attention kernels (on a GPU with CUDA graphs, the paged kernel), the layers' fused elementwise
+    pieces, and fused sampling and verification."""
     compile_kernels(paged=device.type == "cuda" and cuda_graphs)
     model.compile_elementwise()
     verifier.compile_sampling()
 
 
 def compile_kernels(paged: bool = False) -> None:
-    """Swap torch.compile'd versions of the K/V write, the score pass and the draft branch (dynamic
-    shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged dense path
-    (static shapes, as flex_attention's decoding kernel wants: one compilation per padded step)."""
+    """Swap torch.compile'd versions of the K/V write, the score pass and the draft branch
+    (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
+    dense path (static shapes, as flex_attention's decoding kernel wants: one compilation per
+    padded step)."""
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
@@ -57,8 +59,9 @@ def compile_kernels(paged: bool = False) -> None:
 
 
 def _compiled_paged_dense():
-    """`paged_dense` compiled for static shapes but the step's token rows T (of `out` and `q`), which
-    also count a step's sparse drafts: compiled once per T it would recompile for every draft count."""
+    """`paged_dense` compiled for static shapes but the step's token rows T (of `out` and `q`),
+    which also count a step's sparse drafts: compiled once per T it would recompile for every
+    draft count."""
     compiled = torch.compile(paged_dense, dynamic=False)
 
     def paged(out, q, *rest):
@@ -73,15 +76,16 @@ def use_eager_kernels() -> None:
 
 
 def use_paged_reference() -> None:
-    """The paged path with uncompiled flex_attention (torch's reference math over the whole pool: tiny
-    pools only), so the CPU tests check the block mask that the compiled GPU kernel relies on."""
+    """The paged path with uncompiled flex_attention (torch's reference math over the whole pool:
+    tiny pools only), so the CPU tests check the block mask that the compiled GPU kernel relies
+    on."""
     attention._kernels.update(paged=paged_dense, prepare=paged_prepare, finish=paged_finish)
 
 
 def paged_prepare(ctx: AttentionContext, group: int) -> None:
-    """Before the layers: the block mask of the paged kernel, for dense batches that attend as one run
-    and whose G x Qmax packed rows (`group` query heads per KV head) fit flex_attention's decoding
-    kernel (plain decoding, verification); prefill chunks keep gather + SDPA."""
+    """Before the layers: the block mask of the paged kernel, for dense batches that attend as one
+    run and whose G x Qmax packed rows (`group` query heads per KV head) fit flex_attention's
+    decoding kernel (plain decoding, verification); prefill chunks keep gather + SDPA."""
     d = ctx.dense
     if d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return
@@ -104,10 +108,12 @@ def paged_finish(ctx: AttentionContext) -> None:
     _, Q, L = mask.shape
     _, slots, n_kv, D = ctx.k_cache.shape
     blocks = slots // ctx.block_size
-    G = next(iter(queries.values())).shape[2] // n_kv                          # query heads per KV head
-    layer_bytes = B * L * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)  # keys + float logits
+    G = next(iter(queries.values())).shape[2] // n_kv         # query heads per KV head
+    # keys + float logits
+    layer_bytes = B * L * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)
     for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
-        q = torch.stack([queries[layer] for layer in range(first, first + n)])  # [n, B, Q, n_heads, D]
+        # [n, B, Q, n_heads, D]
+        q = torch.stack([queries[layer] for layer in range(first, first + n)])
         # the n layers' blocks as rows of one table (block ids offset by layer): a gather along the
         # first dimension, which CUDA's index_select vectorises
         table = d.block_table.flatten() + blocks * torch.arange(n, device=mask.device)[:, None]
@@ -115,12 +121,14 @@ def paged_finish(ctx: AttentionContext) -> None:
         k = k.view(n * B, L, n_kv, D)                                          # [n*B, L, n_kv, D]
         mask_n = mask.expand(n, -1, -1, -1).flatten(0, 1)                      # [n*B, Q, L]
         weight = d.score_weight.expand(n, -1, -1).flatten(0, 1)                # [n*B, Q]
-        scores = attention._kernels["scores"](q.flatten(0, 1), k, mask_n, weight)   # [n*B, n_kv, L]
+        # [n*B, n_kv, L]
+        scores = attention._kernels["scores"](q.flatten(0, 1), k, mask_n, weight)
         d.scores[first:first + n] = scores.view(n, B, n_kv, L)
 
 
 def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
-    """Sorted layer ids -> (first, count) of runs of consecutive ids, each at most `longest` long."""
+    """Sorted layer ids -> (first, count) of runs of consecutive ids, each at most `longest`
+    long."""
     runs = []
     for layer in layers:
         if runs and runs[-1][0] + runs[-1][1] == layer and runs[-1][1] < longest:
@@ -130,30 +138,32 @@ def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
-def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int, group: int,
-                     splits: int = 1):
-    """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly mask[b, q, :].
+def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int,
+                     group: int, splits: int = 1):
+    """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly
+    mask[b, q, :].
 
     block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B]; q_valid: [B, Q] bool.
-    The key/value sequence is one layer's whole pool (pool_slots positions, shared by all requests).
-    Each request lists its pool blocks: `full` ones (every real row sees all of it) and `partial` ones
-    (the causal edge), where `visible` evaluates the mask's rule from the position: `rank` is a pool
-    block's number within its request, `owner` the request (checked, so the rule holds over the whole
-    pool). The padding requests of a padded step all list the scratch block, which gets one owner: the
-    others see nothing, and their rows are discarded. Built on the device, no host sync.
-    With `splits` > 1 each context is cut into that many chunks of consecutive blocks, each seen as a
-    request of its own (entry b * splits + s is chunk s of request b; `paged_attention` merges them):
-    the decoding kernel gives a (request, KV head) one CTA per split of the key sequence, so without
-    chunks a few long requests keep most SMs idle."""
+    The key/value sequence is one layer's whole pool (pool_slots positions, shared by all
+    requests). Each request lists its pool blocks: `full` ones (every real row sees all of it) and
+    `partial` ones (the causal edge), where `visible` evaluates the mask's rule from the position:
+    `rank` is a pool block's number within its request, `owner` the request (checked, so the rule
+    holds over the whole pool). The padding requests of a padded step all list the scratch block,
+    which gets one owner: the others see nothing, and their rows are discarded. Built on the
+    device, no host sync.
+    With `splits` > 1 each context is cut into that many chunks of consecutive blocks, each seen
+    as a request of its own (entry b * splits + s is chunk s of request b; `paged_attention`
+    merges them): the decoding kernel gives a (request, KV head) one CTA per split of the key
+    sequence, so without chunks a few long requests keep most SMs idle."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, Q, L = mask.shape
     nb, pool_blocks = L // block_size, pool_slots // block_size
-    chunk = -(-nb // splits)                                                   # blocks per chunk
+    chunk = -(-nb // splits)                                           # blocks per chunk
     seen = mask.view(B, Q, nb, block_size)
-    used = seen.any(-1).any(1)                                                 # [B, nb]
-    full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1)                 # [B, nb]
-    target = torch.where(used, block_table, pool_blocks).flatten()             # unused: a dump entry
+    used = seen.any(-1).any(1)                                         # [B, nb]
+    full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1)         # [B, nb]
+    target = torch.where(used, block_table, pool_blocks).flatten()     # unused: a dump entry
     rank = torch.zeros(pool_blocks + 1, dtype=torch.long, device=mask.device)
     rank.scatter_(0, target, torch.arange(nb, device=mask.device).repeat(B))
     owner = torch.full((pool_blocks + 1,), -1, dtype=torch.long, device=mask.device)
@@ -168,7 +178,8 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
         return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
 
-    def listed(which):    # [B, nb] bool -> counts [B*S, 1, 1], block ids first [B*S, 1, 1, pool_blocks]
+    # [B, nb] bool -> counts [B*S, 1, 1], block ids first [B*S, 1, 1, pool_blocks]
+    def listed(which):
         which, table = by_chunk(which), by_chunk(block_table)
         order = torch.argsort((~which).to(torch.int8), dim=1, stable=True)
         # BlockMask's contract: one column per KV block (a padded table can be wider than the pool)
@@ -178,37 +189,44 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
         return which.sum(1, dtype=torch.int32)[:, None, None], ids
 
     q_tile = -(-group * Q // 128) * 128
-    return BlockMask.from_kv_blocks(*listed(used & ~full), *listed(full), BLOCK_SIZE=(q_tile, block_size),
+    return BlockMask.from_kv_blocks(*listed(used & ~full), *listed(full),
+                                    BLOCK_SIZE=(q_tile, block_size),
                                     mask_mod=visible, seq_lengths=(group * Q, pool_slots),
                                     compute_q_blocks=False)
 
 
 def paged_dense(out, q, q_index, k_layer, v_layer, block_mask) -> None:
     """out[q_index] = paged attention of q[q_index]: out, q [T, n_heads, D]; q_index [Bd, Qmax].
-    One function, so that compiled, the queries' gather and the output's scatter fuse with the kernel's
-    packing and the merge of the chunks."""
+    One function, so that compiled, the queries' gather and the output's scatter fuse with the
+    kernel's packing and the merge of the chunks."""
     out[q_index.flatten()] = paged_attention(q[q_index], k_layer, v_layer, block_mask).flatten(0, 1)
 
 
-def paged_attention(q, k_layer, v_layer, block_mask, kernel_options: dict = PAGED_KERNEL_OPTIONS):
-    """q: [B, Q, n_heads, D]; k_layer, v_layer: [slots, n_kv, D] one layer's pool -> [B, Q, n_heads, D].
+def paged_attention(q, k_layer, v_layer, block_mask,
+                    kernel_options: dict = PAGED_KERNEL_OPTIONS):
+    """q: [B, Q, n_heads, D]; k_layer, v_layer: [slots, n_kv, D] one layer's pool ->
+    [B, Q, n_heads, D].
 
-    The G query heads of a KV head are packed into G x Q rows, so flex_attention sees one query head
-    per KV head and can use its decoding kernel (which wants a power-of-two group). A block mask made
-    with splits S > 1 has B * S entries, one per chunk of a context: the chunks' outputs are averaged
-    weighted by the softmax of their log-sum-exps, which is attention over the whole context."""
+    The G query heads of a KV head are packed into G x Q rows, so flex_attention sees one query
+    head per KV head and can use its decoding kernel (which wants a power-of-two group). A block
+    mask made with splits S > 1 has B * S entries, one per chunk of a context: the chunks' outputs
+    are averaged weighted by the softmax of their log-sum-exps, which is attention over the whole
+    context."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     B, Q = q.shape[:2]
-    keys, values = k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None]   # [1, n_kv, slots, D]
-    packed = pack_groups(q, k_layer.shape[1])                                       # [B, n_kv, G*Q, D]
+    # [1, n_kv, slots, D]
+    keys, values = k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None]
+    packed = pack_groups(q, k_layer.shape[1])                          # [B, n_kv, G*Q, D]
     splits = block_mask.kv_num_blocks.shape[0] // B
     if splits == 1:
         return unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask,
                                             kernel_options=kernel_options), Q)
-    out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values, block_mask=block_mask,
-                              return_aux=AuxRequest(lse=True), kernel_options=kernel_options)
+    out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values,
+                              block_mask=block_mask, return_aux=AuxRequest(lse=True),
+                              kernel_options=kernel_options)
     # [B, S, n_kv, G*Q]; a row that sees nothing (a padding request's) has no finite lse: weight 0
     weight = aux.lse.view(B, splits, *packed.shape[1:3]).softmax(dim=1).nan_to_num()
-    out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)   # [B, n_kv, G*Q, D]
+    # [B, n_kv, G*Q, D]
+    out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)
     return unpack_groups(out.to(q.dtype), Q)

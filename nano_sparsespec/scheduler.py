@@ -226,7 +226,8 @@ class Scheduler:
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:
-        """Latest-admitted request with work and no result in flight, or None (never the last one)."""
+        """Latest-admitted request with work and no result in flight, or None (never the last
+        one)."""
         settled = [w.seq for w in works if not w.seq.awaiting_result]
         if len(self.running) <= 1 or len(works) <= 1 or not settled:
             return None
