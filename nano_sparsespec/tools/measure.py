@@ -23,8 +23,10 @@ H200_PEAK_GBS = 4300.0
 
 @dataclass(frozen=True)
 class ByteModel:
-    """Bytes one step must read: the weights once, plus K and V of every attended (request, position) pair."""
-    weight_bytes: int             # parameters read once per step (an untied embedding table is only looked up: not counted)
+    """Bytes one step must read: the weights once, plus K and V of every attended (request,
+    position) pair."""
+    # Parameters read once per step (an untied embedding table is only looked up: not counted).
+    weight_bytes: int
     kv_bytes_per_position: int    # K and V of one position, all layers and KV heads
 
     def step_bytes(self, kv_positions: int) -> int:
@@ -37,15 +39,18 @@ class ByteModel:
 def byte_model(model: CausalLM, kv_dtype: torch.dtype) -> ByteModel:
     cfg = model.config
     weights = model.weight_bytes()
-    if model.lm_head is not None:  # untied: each step reads only its tokens' rows of the embedding table
+    # Untied: each step reads only its tokens' rows of the embedding table.
+    if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+    kv = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+          * torch.tensor([], dtype=kv_dtype).element_size())
     return ByteModel(weights, kv)
 
 
 
 def _left_padded(token_ids: list[list[int]], device) -> dict:
-    """input_ids and attention_mask [B, width] of these prompts, left-padded with 0 (as `generate` takes them)."""
+    """input_ids and attention_mask [B, width] of these prompts, left-padded with 0 (as
+    `generate` takes them)."""
     width = max(len(t) for t in token_ids)
     input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
@@ -56,16 +61,20 @@ def _left_padded(token_ids: list[list[int]], device) -> dict:
 
 
 def hf_kv_positions(prompt_lens: list[int], output_lens: list[int]) -> int:
-    """KV positions transformers' batched generate must read (without its padding): a request of p prompt tokens
-    that writes n tokens reads p positions in the prefill step, then p + t at decode step t = 1 .. n-1."""
+    """KV positions transformers' batched generate must read (without its padding).
+
+    A request of p prompt tokens that writes n tokens reads p positions in the prefill step,
+    then p + t at decode step t = 1 .. n-1.
+    """
     return sum(p + sum(p + t for t in range(1, n)) for p, n in zip(prompt_lens, output_lens))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Measuring: synchronisation, memory, peak bandwidth
 
 def model_label(path: Path) -> str:
-    """A model directory's name without the cache's hash suffix (`SmolLM2-135M-Instruct.Q4_1-7219ceb7bc91`)."""
+    """A model directory's name without the cache's hash suffix
+    (`SmolLM2-135M-Instruct.Q4_1-7219ceb7bc91`)."""
     name = Path(path).name
     stem, _, tail = name.rpartition("-")
     return stem if stem and len(tail) == 12 and all(c in "0123456789abcdef" for c in tail) else name
@@ -86,8 +95,10 @@ def _rss_bytes() -> int:
 
 
 class PeakMemory:
-    """Peak memory above what the process held when the block started: CUDA allocator peak on a GPU, process RSS
-    (sampled every 5 ms by a thread) on the CPU."""
+    """Peak memory above what the process held when the block started.
+
+    CUDA allocator peak on a GPU, process RSS (sampled every 5 ms by a thread) on the CPU.
+    """
 
     def __init__(self, device: torch.device):
         self.device, self.peak_bytes = device, 0
@@ -148,8 +159,9 @@ def peak_bandwidth(device: torch.device, given: float | None) -> tuple[float, st
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "device": str(device)}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -170,15 +182,19 @@ def machine_info(device: torch.device) -> dict:
 
 
 def git_state() -> dict | None:
-    """The checkout's commit and whether the package has uncommitted changes (None outside a git checkout)."""
+    """The checkout's commit and whether the package has uncommitted changes (None outside a
+    git checkout)."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "nano_sparsespec"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
+                                "nano_sparsespec"],
+                               capture_output=True, text=True, timeout=10,
+                               check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "package_dirty": bool(dirty)}

@@ -1,11 +1,11 @@
 """The step profile (`bench --profile-steps`): what one step of each kind costs at a shape, and the
 speedup that follows.
 
-Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch` requests
-that each hold `context` cached positions, run through the engine's own `ModelRunner` on a KV pool of
-random K/V), Qwen3 shapes with random weights, and the speedup models: lock-step, balanced, and the
-ceiling, `balanced_speedup` over a plain step with one block of context (the part of a step that is
-not attention, which no drafter that runs the model's layers undercuts).
+Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch`
+requests that each hold `context` cached positions, run through the engine's own `ModelRunner` on
+a KV pool of random K/V), Qwen3 shapes with random weights, and the speedup models: lock-step,
+balanced, and the ceiling, `balanced_speedup` over a plain step with one block of context (the part
+of a step that is not attention, which no drafter that runs the model's layers undercuts).
 """
 from __future__ import annotations
 
@@ -39,12 +39,14 @@ QWEN3_SHAPES = {
 
 
 def qwen3_shape(name: str, max_len: int) -> ModelConfig:
-    return ModelConfig(**QWEN3_SHAPES[name], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=max_len,
-                       qk_norm=True, eos_token_ids=(151645,), architecture="Qwen3ForCausalLM")
+    return ModelConfig(**QWEN3_SHAPES[name], rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=max_len, qk_norm=True, eos_token_ids=(151645,),
+                       architecture="Qwen3ForCausalLM")
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A CausalLM of this shape with random weights, allocated directly in `dtype` on `device` (no files)."""
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> CausalLM:
+    """A CausalLM of this shape with random weights, allocated directly in `dtype` on `device`."""
     with torch.device("meta"):
         model = CausalLM(cfg).to(dtype)
     model = model.to_empty(device=device)
@@ -61,14 +63,15 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
 
 def parameter_count(cfg: ModelConfig) -> int:
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    layer = (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h
+             + (2 * cfg.head_dim if cfg.qk_norm else 0))
     return cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * layer + h
 
 
-def profile_memory_needed(cfg: ModelConfig, dtype: torch.dtype, batch: int, context: int, stride: int,
-                          weights_loaded: bool) -> int:
-    """Rough bytes a profile needs: weights, the KV pool, and the largest transient tensors (logits, one layer's
-    gathered K/V and attention probabilities, the verification scores)."""
+def profile_memory_needed(cfg: ModelConfig, dtype: torch.dtype, batch: int, context: int,
+                          stride: int, weights_loaded: bool) -> int:
+    """Rough bytes a profile needs: weights, the KV pool, and the largest transient tensors
+    (logits, one layer's gathered K/V and attention probabilities, the verification scores)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     length = context + stride + 1
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem * batch * (length + 16)
@@ -118,7 +121,8 @@ def time_split(model: CausalLM, device: torch.device):
     handles = []
     for m in model.layers.modules():
         if isinstance(m, nn.Linear):
-            kinds = (lambda mod: ("linear", "attention_linear") if id(mod) in attention_linears else ("linear",))
+            kinds = (lambda mod: ("linear", "attention_linear")
+                     if id(mod) in attention_linears else ("linear",))
         elif m.__class__.__name__ == "Attention":
             kinds = (lambda mod: ("attention_module",))
         else:
@@ -134,45 +138,55 @@ def time_split(model: CausalLM, device: torch.device):
 
 
 class StepProfiler:
-    """One plain, one draft and one verification step of `batch` requests that each hold `context` cached
-    positions, run through the engine's `ModelRunner` (the kernels and host work a real step uses); and the mixed
-    step of balanced batching, where one request in k + 1 verifies while the others draft."""
+    """One plain, one draft and one verification step of `batch` requests that each hold
+    `context` cached positions, run through the engine's `ModelRunner` (the kernels and host work a
+    real step uses); and the mixed step of balanced batching, where one request in k + 1 verifies
+    while the others draft."""
 
-    def __init__(self, model: CausalLM, batch: int, context: int, stride: int, device: torch.device,
-                 dtype: torch.dtype, budget_ratio: float, min_budget: int, temperature: float, seed: int = 0,
-                 cuda_graphs: bool = False, block_size: int = SpecConfig.block_size):
+    def __init__(self, model: CausalLM, batch: int, context: int, stride: int,
+                 device: torch.device, dtype: torch.dtype, budget_ratio: float, min_budget: int,
+                 temperature: float, seed: int = 0, cuda_graphs: bool = False,
+                 block_size: int = SpecConfig.block_size):
         cfg = model.config
-        self.model, self.batch, self.context, self.k, self.device = model, batch, context, stride, device
-        common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget, max_batch=batch,
-                      block_size=block_size)
+        self.model, self.batch, self.context, self.k, self.device = (model, batch, context,
+                                                                      stride, device)
+        common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget,
+                      max_batch=batch, block_size=block_size)
         self.plain_spec = SpecConfig(method="plain", **common)
         self.spec = SpecConfig(method="pillar", **common)
         block = self.spec.block_size
         per_request = -(-(context + stride + 1) // block)
-        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch * per_request, block, dtype, device)
+        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch * per_request,
+                             block, dtype, device)
         g = torch.Generator(device=device).manual_seed(seed)
-        self.cache.k.normal_(generator=g)                 # [L, slots, n_kv, head_dim] random keys and values
+        # [L, slots, n_kv, head_dim] random keys and values
+        self.cache.k.normal_(generator=g)
         self.cache.v.normal_(generator=g)
         params = SamplingParams(temperature=temperature, max_new_tokens=stride + 2, ignore_eos=True)
         cpu = torch.Generator().manual_seed(seed)
         self.seqs = []
         for b in range(batch):
-            seq = Sequence(b, torch.randint(0, cfg.vocab_size, (context,), generator=cpu).tolist(), params, seed + b)
-            seq.tokens.append(int(torch.randint(0, cfg.vocab_size, (1,), generator=cpu)))  # the pending token
+            seq = Sequence(b, torch.randint(0, cfg.vocab_size, (context,), generator=cpu).tolist(),
+                           params, seed + b)
+            # The pending token.
+            seq.tokens.append(int(torch.randint(0, cfg.vocab_size, (1,), generator=cpu)))
             seq.num_prefilled, seq.status, seq.row = context, Status.RUNNING, b
             self.cache.append(b, context)
             self.seqs.append(seq)
         self.budget = min(self.spec.budget(context), context)
         self.plain_runner = ModelRunner(model, self.cache, self.plain_spec, cuda_graphs)
         self.runner = ModelRunner(model, self.cache, self.spec, cuda_graphs)
-        chosen = torch.rand(batch, cfg.num_layers, cfg.num_kv_heads, context, generator=g, device=device)
+        chosen = torch.rand(batch, cfg.num_layers, cfg.num_kv_heads, context, generator=g,
+                            device=device)
         # critical positions: `budget` distinct random positions per (request, layer, KV head)
-        self.runner.set_selections(self.seqs, list(chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values))
+        self.runner.set_selections(
+            self.seqs, list(chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values))
         self.bm = byte_model(model, dtype)
 
-    def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int, select: bool = False) -> float:
-        """Time one step in which the first `n_verify` requests verify `verify_tokens` tokens (a plain step: 1 token)
-        and the others draft one token."""
+    def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int,
+             select: bool = False) -> float:
+        """Time one step in which the first `n_verify` requests verify `verify_tokens` tokens
+        (a plain step: 1 token) and the others draft one token."""
         works = [Work(seq, "verify", self.context, verify_tokens) if i < n_verify else
                  Work(seq, "draft", self.context, 1) for i, seq in enumerate(self.seqs)]
         for w in works:
@@ -183,8 +197,10 @@ class StepProfiler:
         result = runner.launch(works)
         if result.verify_works:
             result.fetch()
-        if select:   # what the engine does next with a verification: pick the next cycle's critical positions
-            pillar_attn.select_pillar(result.scores, [self.context] * n_verify, [self.budget] * n_verify)
+        # What the engine does next with a verification: pick the next cycle's critical positions.
+        if select:
+            pillar_attn.select_pillar(result.scores, [self.context] * n_verify,
+                                      [self.budget] * n_verify)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         for w in works:
@@ -207,11 +223,14 @@ class StepProfiler:
     def step_bytes(self) -> dict:
         b, c = self.batch, self.context
         n_verify = -(-b // (self.k + 1))
-        return {"plain": self.bm.step_bytes(b * (c + 1)), "draft": self.bm.step_bytes(b * (self.budget + 1)),
+        return {"plain": self.bm.step_bytes(b * (c + 1)),
+                "draft": self.bm.step_bytes(b * (self.budget + 1)),
                 "verify": self.bm.step_bytes(b * (c + self.k + 1)),
-                "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1) + (b - n_verify) * (self.budget + 1))}
+                "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1)
+                                            + (b - n_verify) * (self.budget + 1))}
 
-    def measure(self, reps: int, warmup: int = 1, kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
+    def measure(self, reps: int, warmup: int = 1,
+                kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
         out = {}
         for kind in kinds:
             fn = getattr(self, kind)
@@ -221,7 +240,7 @@ class StepProfiler:
         return out
 
     def plain_breakdown(self, reps: int) -> dict:
-        """Where a plain step's time goes (means over `reps` instrumented steps), in milliseconds."""
+        """Where a plain step's time goes (means over `reps` instrumented steps), in ms."""
         with time_split(self.model, self.device) as t:
             start = time.perf_counter()
             for _ in range(reps):
@@ -236,17 +255,20 @@ class StepProfiler:
 
 
 def speedup_model(plain: float, draft: float, verify: float, k: int, accepted: float) -> float:
-    """A cycle of k drafts + 1 verification yields accepted + 1 tokens; plain yields one token per step."""
+    """A cycle of k drafts + 1 verification yields accepted + 1 tokens; plain yields one token per
+    step."""
     return (accepted + 1) * plain / (k * draft + verify)
 
 
 def balanced_speedup(plain: float, step: float, k: int, accepted: float) -> float:
-    """Balanced batching with every slot busy: each request writes accepted + 1 tokens per k + 1 steps of cost
-    `step`, against plain decoding's one token per step of cost `plain`. With `step` the measured mixed step, what
-    the engine's balanced steps give at that shape; with `step` a plain step over one block of context (the part of a
-    step that is not attention, which no step that runs the model's layers over the batch undercuts), the ceiling no
-    such drafter passes whatever its kernels: where attention is a small part of a plain step, that ceiling is near
-    (accepted + 1) / (k + 1) and no self-speculation helps."""
+    """Balanced batching with every slot busy: each request writes accepted + 1 tokens per k + 1
+    steps of cost `step`, against plain decoding's one token per step of cost `plain`.
+
+    With `step` the measured mixed step, what the engine's balanced steps give at that shape; with
+    `step` a plain step over one block of context (the part of a step that is not attention), the
+    ceiling no drafter that runs the model's layers passes: near (accepted + 1) / (k + 1) where
+    attention is a small part of a plain step.
+    """
     return (accepted + 1) / (k + 1) * plain / step
 
 
@@ -257,14 +279,16 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             b, c = item.lower().split("x")
             b, c = int(b), int(c.rstrip("k")) * (1024 if c.endswith("k") else 1)
         except ValueError:
-            raise ValueError(f"bad profile shape {item!r}: expected BATCHxCONTEXT, e.g. 8x1024 or 64x8k") from None
+            raise ValueError(f"bad profile shape {item!r}: expected BATCHxCONTEXT, "
+                             f"e.g. 8x1024 or 64x8k") from None
         if b < 1 or c < 1:
             raise ValueError(f"bad profile shape {item!r}: batch and context must be >= 1")
         shapes.append((b, c))
     return shapes
 
 
-def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype, accepted: list[float]) -> list[dict]:
+def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
+                accepted: list[float]) -> list[dict]:
     shapes = parse_shapes(args.profile_shapes)
     max_context = max(c for _, c in shapes) + args.stride + 2
     floor_context = min([args.block_size] + [c for _, c in shapes])
@@ -278,31 +302,39 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
         elif name in QWEN3_SHAPES:
             model, label, loaded, cfg = None, name, False, qwen3_shape(name, max_context)
         else:
-            raise ValueError(f"unknown profile model {name!r}: expected 'model' or one of {list(QWEN3_SHAPES)}")
+            raise ValueError(f"unknown profile model {name!r}: "
+                             f"expected 'model' or one of {list(QWEN3_SHAPES)}")
         built = False
-        floors = {}   # batch -> seconds of a plain step over one block of context at most (`balanced_speedup`)
+        # batch -> seconds of a plain step over one block of context at most (`balanced_speedup`)
+        floors = {}
         for batch, context in shapes:
             entry = {"model": label, "batch": batch, "context": context, "stride": args.stride,
                      "dtype": str(dtype).replace("torch.", "")}
             if context + args.stride + 1 > cfg.max_position_embeddings:
-                entry["skipped"] = f"context {context} + k + 1 exceeds the model's {cfg.max_position_embeddings}"
+                entry["skipped"] = (f"context {context} + k + 1 exceeds the model's "
+                                    f"{cfg.max_position_embeddings}")
             else:
-                need = profile_memory_needed(cfg, dtype, batch, context, args.stride, loaded or built)
+                need = profile_memory_needed(cfg, dtype, batch, context, args.stride,
+                                             loaded or built)
                 have = memory_available(device)
                 if need > 0.85 * have:
-                    entry["skipped"] = (f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available on "
+                    entry["skipped"] = (f"needs ~{need / 2**30:.1f} GiB, "
+                                        f"{have / 2**30:.1f} GiB available on "
                                         f"{device.type}")
             if "skipped" in entry:
-                print(f"profile {label} {batch}x{context}: skipped: {entry['skipped']}", file=sys.stderr)
+                print(f"profile {label} {batch}x{context}: skipped: {entry['skipped']}",
+                      file=sys.stderr)
                 results.append(entry)
                 continue
             if model is None:
-                print(f"profile: building {label} with random weights ({parameter_count(cfg) / 1e9:.2f} B "
+                print(f"profile: building {label} with random weights "
+                      f"({parameter_count(cfg) / 1e9:.2f} B "
                       f"parameters, {entry['dtype']}) ...", file=sys.stderr)
                 model, built = random_model(cfg, device, dtype, args.seed), True
             print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
-            prof = StepProfiler(model, batch, context, args.stride, device, dtype, args.budget_ratio,
-                                args.min_budget, args.temperature, args.seed, args.cuda_graphs, args.block_size)
+            prof = StepProfiler(model, batch, context, args.stride, device, dtype,
+                                args.budget_ratio, args.min_budget, args.temperature, args.seed,
+                                args.cuda_graphs, args.block_size)
             times = prof.measure(args.profile_reps)
             nbytes = prof.step_bytes()
             entry["budget"] = prof.budget
@@ -311,24 +343,30 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                                "gbs": round(nbytes[kind] / times[kind] / 1e9, 2)}
             entry["draft_over_plain"] = round(times["draft"] / times["plain"], 3)
             entry["verify_over_plain"] = round(times["verify"] / times["plain"], 3)
-            # A balanced step against the mean step of lock-step batching (k drafts + 1 verification over k + 1
-            # steps): the same work per request, spread differently. Above 1: balancing costs time.
+            # A balanced step against the mean step of lock-step batching (k drafts + 1
+            # verification over k + 1 steps): the same work per request, spread differently.
+            # Above 1: balancing costs time.
             lockstep_mean = (args.stride * times["draft"] + times["verify"]) / (args.stride + 1)
             entry["mixed_over_lockstep_mean"] = round(times["mixed"] / lockstep_mean, 3)
-            entry["speedup_at_accepted"] = {f"{a:g}": round(speedup_model(times["plain"], times["draft"],
-                                                                          times["verify"], args.stride, a), 3)
-                                            for a in accepted}
+            entry["speedup_at_accepted"] = {
+                f"{a:g}": round(speedup_model(times["plain"], times["draft"],
+                                              times["verify"], args.stride, a), 3)
+                for a in accepted}
             if batch not in floors:
-                floor = StepProfiler(model, batch, floor_context, args.stride, device, dtype, args.budget_ratio,
-                                     args.min_budget, args.temperature, args.seed, args.cuda_graphs, args.block_size)
+                floor = StepProfiler(model, batch, floor_context, args.stride, device, dtype,
+                                     args.budget_ratio, args.min_budget, args.temperature,
+                                     args.seed, args.cuda_graphs, args.block_size)
                 floors[batch] = floor.measure(args.profile_reps, kinds=("plain",))["plain"]
                 del floor
             entry["plain_floor"] = {"context": floor_context, "ms": round(floors[batch] * 1e3, 3)}
-            entry["balanced_at_accepted"] = {f"{a:g}": round(balanced_speedup(times["plain"], times["mixed"],
-                                                                              args.stride, a), 3) for a in accepted}
-            entry["ceiling_at_accepted"] = {f"{a:g}": round(balanced_speedup(times["plain"], floors[batch],
-                                                                             args.stride, a), 3) for a in accepted}
-            if not args.cuda_graphs:   # a replayed graph runs no Python per module: nothing to split
+            entry["balanced_at_accepted"] = {
+                f"{a:g}": round(balanced_speedup(times["plain"], times["mixed"],
+                                                 args.stride, a), 3) for a in accepted}
+            entry["ceiling_at_accepted"] = {
+                f"{a:g}": round(balanced_speedup(times["plain"], floors[batch],
+                                                 args.stride, a), 3) for a in accepted}
+            # A replayed graph runs no Python per module: nothing to split.
+            if not args.cuda_graphs:
                 entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
             results.append(entry)
             del prof

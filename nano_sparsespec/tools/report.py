@@ -14,24 +14,34 @@ def _fmt(x, spec=".1f", none="–"):
 def _batch_label(settings: dict) -> str:
     """'128', or '128 (512 requests)' when more requests than slots ran through the batch."""
     requests = settings.get("num_requests", settings["batch_size"])
-    return f"{settings['batch_size']}" + (f" ({requests} requests)" if requests != settings["batch_size"] else "")
+    return f"{settings['batch_size']}" + (
+        f" ({requests} requests)" if requests != settings["batch_size"] else "")
 
 
 def rows_markdown(result: dict) -> str:
     s = result["settings"]
-    cpu = s["device"] == "cpu"   # on a CPU, also the speedup in CPU time of this process (robust to other jobs)
+    # On a CPU, also the speedup in CPU time of this process (robust to other jobs).
+    cpu = s["device"] == "cpu"
     graphs = s.get("cuda_graphs", False)
-    lines = [f"Rows: {result['model']['name']}, {s['device']} {s['dtype']}, batch {_batch_label(s)}, "
-             f"{s['max_new_tokens']} new tokens{' (ignore EOS)' if s['ignore_eos'] else ''}, temperature "
-             f"{s['temperature']:g}, k = {s['stride']}; peak bandwidth {result['peak_bandwidth_gbs']:.1f} GB/s "
-             f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal plain decoding's (and the "
-             f"mean number of leading tokens they share). Each row of ours is timed after warm-up runs of its own "
-             f"requests and settings, all of them and then the first alone (up to {warm_up_tokens(s['stride'])} "
+    lines = [f"Rows: {result['model']['name']}, {s['device']} {s['dtype']}, "
+             f"batch {_batch_label(s)}, "
+             f"{s['max_new_tokens']} new tokens{' (ignore EOS)' if s['ignore_eos'] else ''}, "
+             f"temperature "
+             f"{s['temperature']:g}, k = {s['stride']}; "
+             f"peak bandwidth {result['peak_bandwidth_gbs']:.1f} GB/s "
+             f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal "
+             f"plain decoding's (and the "
+             f"mean number of leading tokens they share). Each row of ours is timed after "
+             f"warm-up runs of its own "
+             f"requests and settings, all of them and then the first alone "
+             f"(up to {warm_up_tokens(s['stride'])} "
              f"tokens).", "",
              "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
-             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | batch used | offloads / restores |"
+             " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | batch used "
+             "| offloads / restores |"
              " = plain |" + (" graphs (record s) |" if graphs else ""),
-             "|---|---:|---:|" + ("---:|" if cpu else "") + "---:|---:|---:|---:|---:|---:|---:|---:|" +
+             "|---|---:|---:|" + ("---:|" if cpu else "")
+             + "---:|---:|---:|---:|---:|---:|---:|---:|" +
              ("---:|" if graphs else "")]
     for r in result["rows"]:
         acc = None if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f} / {s['stride']}"
@@ -39,18 +49,24 @@ def rows_markdown(result: dict) -> str:
         share = None if r["roofline_share"] is None else 100 * r["roofline_share"]
         used = "–" if r.get("batch_occupancy") is None else f"{100 * r['batch_occupancy']:.0f}%"
         cpu_speedup = f" {_fmt(r['speedup_vs_plain_cpu_time'], '.2f')}x |" if cpu else ""
-        lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_plain'], '.2f')}x |"
+        lines.append(f"| {r['name']} | {r['tokens_per_second']:.1f} "
+                     f"| {_fmt(r['speedup_vs_plain'], '.2f')}x |"
                      f"{cpu_speedup} {acc or '–'} | {r['bandwidth_gbs']:.2f} | {_fmt(share)} "
                      f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {used} | {off} "
                      f"| {same_as_plain(r)} |" +
-                     (f" {r.get('graphs_recorded', '–')} ({r.get('graph_record_seconds', 0):.1f}) |" if graphs else ""))
+                     (f" {r.get('graphs_recorded', '–')} "
+                      f"({r.get('graph_record_seconds', 0):.1f}) |" if graphs else ""))
     if graphs:
-        lines += ["", "With CUDA graphs, tok/s leaves out the one-time recording of each bucket's graph (last column: "
+        lines += ["", "With CUDA graphs, tok/s leaves out the one-time recording of each "
+                      "bucket's graph (last column: "
                       "graphs recorded and seconds spent, as a server spends them once at start)."]
-    compiled = [f"{r['name']} {r['compile_seconds']:.1f} s ({r.get('compile_seconds_recording', 0):.1f} s of it "
-                f"while recording graphs)" for r in result["rows"] if r.get("compile_seconds", 0) > 0.05]
+    compiled = [f"{r['name']} {r['compile_seconds']:.1f} s "
+                f"({r.get('compile_seconds_recording', 0):.1f} s of it "
+                f"while recording graphs)"
+                for r in result["rows"] if r.get("compile_seconds", 0) > 0.05]
     if compiled:
-        lines += ["", "torch.compile compiled during timed runs (shapes their warm-up did not meet; in tok/s but for "
+        lines += ["", "torch.compile compiled during timed runs (shapes their warm-up did not "
+                      "meet; in tok/s but for "
                       "what fell inside graph recording): " + ", ".join(compiled) + "."]
     return "\n".join(lines)
 
@@ -63,17 +79,26 @@ def same_as_plain(r: dict) -> str:
 
 
 def profile_markdown(profile: list[dict], stride: int) -> str:
-    accepted = next((list(e["speedup_at_accepted"]) for e in profile if "speedup_at_accepted" in e), [])
+    accepted = next((list(e["speedup_at_accepted"])
+                     for e in profile if "speedup_at_accepted" in e), [])
     floor = next((e["plain_floor"]["context"] for e in profile if "plain_floor" in e), None)
-    head = ("| model | batch x ctx | dtype | plain ms (GB/s) | draft ms (GB/s) | verify ms (GB/s) | draft / plain "
+    head = ("| model | batch x ctx | dtype | plain ms (GB/s) | draft ms (GB/s) "
+            "| verify ms (GB/s) | draft / plain "
             "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) +
-            " | mixed ms | mixed / lock-step mean | " + " | ".join(f"balanced @ {a} acc." for a in accepted) +
-            f" | plain ms at ctx {floor} | " + " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
-    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; speedup: lock-step, "
-             f"k drafts then a verification; mixed: the balanced step, 1 request in {stride + 1} verifying, the others "
-             f"drafting; balanced: (accepted + 1) / (k + 1) x plain ms / mixed ms, every slot busy; ceiling: the same "
-             f"with plain ms at ctx {floor} for the step, the most a drafter that runs the model's layers could gain "
-             f"at the shape, as no such step costs less than a plain step with next to nothing to attend to):", "",
+            " | mixed ms | mixed / lock-step mean | "
+            + " | ".join(f"balanced @ {a} acc." for a in accepted) +
+            f" | plain ms at ctx {floor} | "
+            + " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
+    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; "
+             f"speedup: lock-step, "
+             f"k drafts then a verification; mixed: the balanced step, 1 request in {stride + 1} "
+             f"verifying, the others "
+             f"drafting; balanced: (accepted + 1) / (k + 1) x plain ms / mixed ms, every slot "
+             f"busy; ceiling: the same "
+             f"with plain ms at ctx {floor} for the step, the most a drafter that runs the "
+             f"model's layers could gain "
+             f"at the shape, as no such step costs less than a plain step with next to nothing "
+             f"to attend to):", "",
              head,
              "|" + "---|" * (11 + 3 * len(accepted))]
     for e in profile:
@@ -86,12 +111,15 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
         balanced = [f"{e['balanced_at_accepted'][a]:.2f}x" for a in accepted]
         ceiling = [f"{e['ceiling_at_accepted'][a]:.2f}x" for a in accepted]
         lines.append(f"| {e['model']} | {shape} | {e['dtype']} | " + " | ".join(cells) +
-                     f" | {e['draft_over_plain']:.2f} | {e['verify_over_plain']:.2f} | " + " | ".join(speed) +
-                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} | " + " | ".join(balanced) +
+                     f" | {e['draft_over_plain']:.2f} | {e['verify_over_plain']:.2f} | "
+                     + " | ".join(speed) +
+                     f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} | "
+                     + " | ".join(balanced) +
                      f" | {e['plain_floor']['ms']:.2f} | " + " | ".join(ceiling) + " |")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
-        lines += ["", "Where one plain step's time goes (ms; each part timed between synchronisations):", "",
+        lines += ["", "Where one plain step's time goes "
+                      "(ms; each part timed between synchronisations):", "",
                   "| model | batch x ctx | total | linear layers | attention | other layer ops "
                   "| LM head, sampling, host |", "|---|---|---:|---:|---:|---:|---:|"]
         for e in done:
@@ -108,12 +136,14 @@ def plot_rows(result: dict, path: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        print("note: matplotlib is not installed: no plot (pip install matplotlib)",
+              file=sys.stderr)
         return False
     rows = result["rows"]
     names = [r["name"] for r in rows]
     tps = [r["tokens_per_second"] for r in rows]
-    colors = ["#999999" if n == "hf" else "#4c72b0" if n in ("plain", "ngram", "streaming") else "#dd8452"
+    colors = ["#999999" if n == "hf"
+              else "#4c72b0" if n in ("plain", "ngram", "streaming") else "#dd8452"
               for n in names]
     fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
     bars = ax.bar(names, tps, color=colors)
@@ -121,11 +151,12 @@ def plot_rows(result: dict, path: str) -> bool:
         label = f"{r['tokens_per_second']:.0f}"
         if r["speedup_vs_plain"] is not None:
             label += f"\n{r['speedup_vs_plain']:.2f}x"
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=8)
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
     s = result["settings"]
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{result['model']['name']} · {s['device']} {s['dtype']} · batch {_batch_label(s)} · "
+    ax.set_title(f"{result['model']['name']} · {s['device']} {s['dtype']} "
+                 f"· batch {_batch_label(s)} · "
                  f"{s['max_new_tokens']} tokens · T={s['temperature']:g}", fontsize=9)
     ax.set_ylim(0, max(tps) * 1.25 if tps else 1)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")

@@ -3,8 +3,9 @@
 Owns the workload (reasoning prompts from a JSONL file, chat template applied, cycled to the number
 of requests: every row decodes the very same token ids), the rows themselves,
         hf            transformers `generate`, batched with left padding (the peer)
-        plain         our engine, method="plain" (k = 0), each step launched before the host reads the
-                      previous token (`SpecConfig.runs_ahead`): our best plain path, the baseline
+        plain         our engine, method="plain" (k = 0), each step launched before the host
+                      reads the previous token (`SpecConfig.runs_ahead`): our best plain path,
+                      the baseline
         plain-sync    the same without the overlap
         ngram         prompt-lookup drafts, verified every step
         streaming     StreamingLLM drafts (sinks + recent window), naive lock-step, sync
@@ -12,8 +13,8 @@ of requests: every row decodes the very same token ids), the rows themselves,
         +balanced     ... with the staggered (balanced) batch policy
         +offload      ... with a bounded device KV pool (requests spill to the host pool and back)
         +async        ... with delayed verification: full SparseSpec
-and each row's figures: tokens per second, bytes read (the byte model) and the share of the roofline,
-peak memory, acceptance, and whether its tokens equal plain decoding's.
+and each row's figures: tokens per second, bytes read (the byte model) and the share of the
+roofline, peak memory, acceptance, and whether its tokens equal plain decoding's.
 Must not change how the engine decodes: every row of ours goes through `LLM.generate`.
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ from .measure import ByteModel, PeakMemory, _left_padded, hf_kv_positions, synch
 
 DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 
-# name -> SpecConfig fields (None: transformers). "offload" is not a SpecConfig field: it means "bounded kv_blocks".
+# name -> SpecConfig fields (None: transformers). "offload" is not a SpecConfig field: it means
+# "bounded kv_blocks".
 ROWS: dict[str, dict | None] = {
     "hf": None,
     "plain": dict(method="plain", async_verify=True),
@@ -49,15 +51,16 @@ ROWS: dict[str, dict | None] = {
     "+offload": dict(method="pillar", batch_policy="balanced", offload=True),
     "+async": dict(method="pillar", batch_policy="balanced", offload=True, async_verify=True),
 }
-ROW_ALIASES = {"transformers": "hf", "pillar": "pillar-naive", "naive": "pillar-naive", "balanced": "+balanced",
-               "offload": "+offload", "async": "+async", "sparsespec": "+async"}
+ROW_ALIASES = {"transformers": "hf", "pillar": "pillar-naive", "naive": "pillar-naive",
+               "balanced": "+balanced", "offload": "+offload", "async": "+async",
+               "sparsespec": "+async"}
 
 def load_workload(llm: LLM, path: str | Path, field: str, num_requests: int, chat_template: bool,
                   max_prompt_tokens: int = 256) -> tuple[list[str], list[list[int]]]:
     """Prompts cycled to `num_requests`, and their token ids (chat template applied).
 
-    A model directory without a tokenizer (a random test checkpoint) gets a stand-in encoding: each character's code
-    point modulo the vocabulary.
+    A model directory without a tokenizer (a random test checkpoint) gets a stand-in encoding:
+    each character's code point modulo the vocabulary.
     """
     from ..generate import read_prompts_file
 
@@ -66,7 +69,8 @@ def load_workload(llm: LLM, path: str | Path, field: str, num_requests: int, cha
         raise ValueError(f"no prompts in {str(path)!r}")
     prompts = [prompts[i % len(prompts)] for i in range(num_requests)]
     if llm.tokenizer is None:
-        print(f"note: {llm.model_path} has no tokenizer; prompts are encoded as code points mod vocab",
+        print(f"note: {llm.model_path} has no tokenizer; "
+              f"prompts are encoded as code points mod vocab",
               file=sys.stderr)
         vocab = llm.model.config.vocab_size
         return prompts, [[ord(c) % vocab for c in p[:max_prompt_tokens]] or [0] for p in prompts]
@@ -75,15 +79,18 @@ def load_workload(llm: LLM, path: str | Path, field: str, num_requests: int, cha
 
 def default_kv_blocks(prompt_lens: list[int], max_new_tokens: int, stride: int, block_size: int,
                       fraction: float) -> int:
-    """The bounded pool of the offload rows: `fraction` of what the whole batch needs at its longest (what `LLM`
-    allocates unbounded), but room for every prompt plus one cycle of growth, so all requests start together and
-    offloading happens while they grow (not as a queue at admission), and for the longest request alone."""
+    """The bounded pool of the offload rows, in blocks.
+
+    `fraction` of what the whole batch needs at its longest (what `LLM` allocates unbounded), but
+    room for every prompt plus one cycle of growth, so all requests start together and offloading
+    happens while they grow (not as a queue at admission), and for the longest request alone.
+    """
     worst = [-(-(p + max_new_tokens + stride + 2) // block_size) for p in prompt_lens]
     start = [-(-(p + stride + 2) // block_size) for p in prompt_lens]
     return max(math.ceil(fraction * sum(worst)), sum(start) + 1, max(worst) + 1)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The rows
 
 def warm_up_tokens(stride: int) -> int:
@@ -94,12 +101,14 @@ def warm_up_tokens(stride: int) -> int:
 def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: list[SamplingParams],
              bm: ByteModel) -> dict:
     llm.spec = spec
-    # Warm-up: the same requests with this row's settings, a few cycles long. torch.compile specialises kernels on
-    # the first step of each kind (prefill chunks beside drafts and verifications, each batch-size class), seconds a
-    # server spends once at start; billed to the timed run, they showed as milliseconds per step of a 2k-token run.
-    # Then the first request alone: torch.compile also specialises a batch of one (the last request drafting or
-    # verifying alone), which the timed run would otherwise meet in its tail (a CPU recompile log showed it).
-    short = [replace(p, max_new_tokens=min(p.max_new_tokens, warm_up_tokens(spec.stride))) for p in params]
+    # Warm-up: the same requests with this row's settings, a few cycles long. torch.compile
+    # specialises kernels on the first step of each kind (prefill chunks beside drafts and
+    # verifications, each batch-size class), seconds a server spends once at start; they must not
+    # be billed to the timed run. Then the first request alone: torch.compile also specialises a
+    # batch of one (the last request drafting or verifying alone), which the timed run would
+    # otherwise meet in its tail.
+    short = [replace(p, max_new_tokens=min(p.max_new_tokens, warm_up_tokens(spec.stride)))
+             for p in params]
     llm.generate(None, short, prompt_token_ids=token_ids)
     llm.generate(None, short[:1], prompt_token_ids=token_ids[:1])
     compiled_before = compile_seconds()
@@ -115,21 +124,25 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
         raise RuntimeError(f"a request failed: {errors[0]}")
     kv = sum(stats.kv_positions_per_step)
     summary = stats.summary(spec.stride)
-    # Recording CUDA graphs is a start-up cost (a server records its graphs once, before taking requests): it is
-    # taken out of `seconds` and reported on its own, with the wall time that includes it. Its CPU time is not known
-    # (compilation runs in worker processes), so a run that recorded graphs has no CPU-time figure.
+    # Recording CUDA graphs is a start-up cost (a server records its graphs once, before taking
+    # requests): it is taken out of `seconds` and reported on its own, with the wall time that
+    # includes it. Its CPU time is not known (compilation runs in worker processes), so a run that
+    # recorded graphs has no CPU-time figure.
     recording = stats.graph_record_seconds
     return {"tokens": stats.output_tokens, "seconds": seconds - recording,
             "cpu_seconds": None if recording else cpu_seconds,
-            "wall_seconds": seconds, "graphs_recorded": stats.graphs_recorded, "graph_record_seconds": recording,
+            "wall_seconds": seconds, "graphs_recorded": stats.graphs_recorded,
+            "graph_record_seconds": recording,
             "engine_seconds": stats.seconds,
-            # compiling for shapes the warm-up did not meet: a one-time cost too, left out only where it fell
-            # inside graph recording (a new bucket's first run); the rest is in `seconds`
+            # compiling for shapes the warm-up did not meet: a one-time cost too, left out only
+            # where it fell inside graph recording (a new bucket's first run); the rest is in
+            # `seconds`
             "compile_seconds": compile_seconds() - compiled_before,
             "compile_seconds_recording": stats.graph_record_compile_seconds,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
             "batch_occupancy": batch_occupancy(stats, spec.max_batch),
-            "mean_accepted": summary.get("mean_accepted"), "mean_offered": summary.get("mean_offered"),
+            "mean_accepted": summary.get("mean_accepted"),
+            "mean_offered": summary.get("mean_offered"),
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
                 summary.get("acceptance_by_position"),
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
@@ -138,27 +151,34 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
 
 
 def batch_occupancy(stats, slots: int) -> float:
-    """Mean share of the batch's slots that decode (draft or verify) in a step, over the run's steps. A lock-step run
-    of one fixed batch falls well below 1 at its end: requests that accept less keep running after the others are
-    done (BENCHMARKS.md, H200 fourth session); --num-requests keeps the slots full until the last requests."""
+    """Mean share of the batch's slots that decode (draft or verify) in a step, over the run's
+    steps.
+
+    A lock-step run of one fixed batch falls well below 1 at its end: requests that accept less
+    keep running after the others are done; --num-requests keeps the slots full until the last
+    requests.
+    """
     decoding = [v + d for v, d in zip(stats.verifications_per_step, stats.drafts_per_step)]
     return statistics.mean(decoding) / slots if decoding else 0.0
 
 
 def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
-    """transformers `generate` on the same token ids: batched (--batch-size requests at a time, one batch after
-    another), left-padded, same length and sampling settings."""
+    """transformers `generate` on the same token ids: batched (--batch-size requests at a time,
+    one batch after another), left-padded, same length and sampling settings."""
     from transformers import AutoModelForCausalLM
 
     device = llm.device
     with PeakMemory(device) as mem:
-        hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=llm.dtype).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path),
+                                                  dtype=llm.dtype).to(device).eval()
         eos = None if args.ignore_eos else sorted(llm.eos_token_ids)
-        # transformers falls back on the model's own generation_config for unset fields: disable EOS there.
+        # transformers falls back on the model's own generation_config for unset fields: disable
+        # EOS there.
         hf.generation_config.eos_token_id = eos
         hf.config.eos_token_id = eos
         config = copy.deepcopy(hf.generation_config)
-        config.update(max_new_tokens=args.max_new_tokens, pad_token_id=0, do_sample=args.temperature > 0)
+        config.update(max_new_tokens=args.max_new_tokens, pad_token_id=0,
+                      do_sample=args.temperature > 0)
         if args.temperature > 0:
             config.update(temperature=args.temperature, top_k=0, top_p=1.0)
         with torch.inference_mode():
@@ -167,7 +187,8 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
             hf.generate(**_left_padded(token_ids[:2], device), generation_config=warm)
             torch.manual_seed(args.seed)
             new, seconds, cpu_seconds, steps = [], 0.0, 0.0, 0
-            for first in range(0, len(token_ids), args.batch_size):   # more requests than --batch-size: in turn
+            # More requests than --batch-size: in turn.
+            for first in range(0, len(token_ids), args.batch_size):
                 batch = _left_padded(token_ids[first:first + args.batch_size], device)
                 synchronize(device)
                 start, cpu_start = time.perf_counter(), time.process_time()
@@ -192,10 +213,13 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens": sum(lens), "seconds": seconds, "cpu_seconds": cpu_seconds, "steps": steps, "kv_positions": kv,
+    return {"tokens": sum(lens), "seconds": seconds, "cpu_seconds": cpu_seconds, "steps": steps,
+            "kv_positions": kv,
             "batch_occupancy": None,
-            "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None, "verifications": 0,
-            "offloads": 0, "restores": 0, "kv_blocks": None, "peak_memory_bytes": mem.peak_bytes,
+            "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None,
+            "verifications": 0,
+            "offloads": 0, "restores": 0, "kv_blocks": None,
+            "peak_memory_bytes": mem.peak_bytes,
             "hf_weight_bytes": weights, "token_ids": outputs}
 
 
@@ -204,16 +228,20 @@ def spec_for(name: str, args, kv_blocks: int) -> SpecConfig:
     offload = fields.pop("offload", False)
     if fields["method"] == "pillar":
         fields["method"] = args.pillar_method
-    return SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
-                      max_batch=args.batch_size, prefill_chunk=args.prefill_chunk, block_size=args.block_size,
+    return SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio,
+                      min_budget=args.min_budget, max_batch=args.batch_size,
+                      prefill_chunk=args.prefill_chunk, block_size=args.block_size,
                       kv_blocks=kv_blocks if offload else None, **fields)
 
 
 def finish_rows(rows: list[dict], peak_gbs: float, greedy: bool) -> None:
-    """Derived columns: tokens/s, speedup over plain, achieved bandwidth, roofline share, equality with plain.
+    """Derived columns: tokens/s, speedup over plain, achieved bandwidth, roofline share,
+    equality with plain.
 
-    Also tokens per CPU-second of this process and the speedup in those terms: on a CPU shared with other jobs the
-    wall clock of a row depends on what else ran meanwhile, its own CPU time much less (with --threads 1)."""
+    Also tokens per CPU-second of this process and the speedup in those terms: on a CPU shared
+    with other jobs the wall clock of a row depends on what else ran meanwhile, its own CPU time
+    much less (with --threads 1).
+    """
     plain = next((r for r in rows if r["name"] == "plain"), None)
     for r in rows:
         r["tokens_per_second"] = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
@@ -221,15 +249,18 @@ def finish_rows(rows: list[dict], peak_gbs: float, greedy: bool) -> None:
         r["bandwidth_gbs"] = r["bytes_read"] / r["seconds"] / 1e9 if r["seconds"] else 0.0
         r["roofline_share"] = r["bandwidth_gbs"] / peak_gbs if peak_gbs else None
     for r in rows:
-        r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"] if plain else None
-        r["speedup_vs_plain_cpu_time"] = (r["tokens_per_cpu_second"] / plain["tokens_per_cpu_second"]
-                                          if r["tokens_per_cpu_second"] and plain and plain["tokens_per_cpu_second"]
+        r["speedup_vs_plain"] = (r["tokens_per_second"] / plain["tokens_per_second"]
+                                 if plain else None)
+        r["speedup_vs_plain_cpu_time"] = (r["tokens_per_cpu_second"]
+                                          / plain["tokens_per_cpu_second"]
+                                          if r["tokens_per_cpu_second"] and plain
+                                          and plain["tokens_per_cpu_second"]
                                           else None)
         if plain and greedy:
             same = sum(a == b for a, b in zip(r["token_ids"], plain["token_ids"]))
             r["identical_to_plain"] = f"{same}/{len(plain['token_ids'])}"
-            r["mean_common_prefix"] = statistics.mean(common_prefix(a, b)
-                                                      for a, b in zip(r["token_ids"], plain["token_ids"]))
+            r["mean_common_prefix"] = statistics.mean(
+                common_prefix(a, b) for a, b in zip(r["token_ids"], plain["token_ids"]))
         else:
             r["identical_to_plain"] = r["mean_common_prefix"] = None
 
@@ -241,7 +272,8 @@ def parse_rows(text: str) -> list[str]:
     for name in (n.strip() for n in text.split(",") if n.strip()):
         name = ROW_ALIASES.get(name, name)
         if name not in ROWS:
-            raise ValueError(f"unknown row {name!r}: expected some of {list(ROWS)} (comma-separated) or 'all'")
+            raise ValueError(f"unknown row {name!r}: expected some of {list(ROWS)} "
+                             f"(comma-separated) or 'all'")
         names.append(name)
     return names
 
