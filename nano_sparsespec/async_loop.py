@@ -72,9 +72,9 @@ class RunStats:
 
 def acceptance_summary(accepted: list[int], offered: list[int], stride: int) -> dict:
     """Mean accepted drafts per verification, histogram of accepted counts, acceptance rate per
-    draft position."""
+    draft position; empty when no verification checked a draft (plain decoding)."""
     if not offered:
-        return {"verifications": 0}
+        return {}
     histogram = [0] * (stride + 1)
     reached = [0] * stride          # verifications that offered a draft at position j
     taken = [0] * stride            # ... and accepted it
