@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .pillar_attn import attention_probs, pillar_scores, weighted_scores
+from . import batch_invariant
+from .pillar_attn import pillar_scores
 
 
 @dataclass
@@ -130,20 +131,17 @@ def _dense_gathered(layer: int, out: torch.Tensor, q: torch.Tensor, kv_shape: to
         q_index = d.q_index[requests, :Q]                                  # [B, Q]
         table = d.block_table[requests, :L // ctx.block_size]
         keys = gathered(ctx.k_cache, table)
-        # [B, Q]
-        weight = None if d.score_weight is None else d.score_weight[requests, :Q]
-        dense_out, scores = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask,
-                                            None if prefill else weight)
-        # padding queries all land in the padding row
-        out[q_index.flatten()] = dense_out.flatten(0, 1)
-        if weight is None:
+        dense_out = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask)
+        out[q_index.flatten()] = dense_out.flatten(0, 1)   # padding queries: the padding row
+        if d.score_weight is None:
             continue
+        rows, weight = q_index, d.score_weight[requests, :Q]                          # [B, Q]
         if prefill:   # a final prefill chunk scores its last row alone (all rows cost far more)
             last = (d.q_valid[requests, :Q].sum(1, keepdim=True) - 1).clamp(min=0)   # [B, 1]
+            rows, weight = q_index.gather(1, last), weight.gather(1, last)
             mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))              # [B, 1, L]
-            scores = _kernels["scores"](q[q_index.gather(1, last)], keys, mask,
-                                        weight.gather(1, last))
-        d.scores[layer, requests, :, :L] = scores                                  # [B, n_kv, L]
+        # [B, n_kv, L]
+        d.scores[layer, requests, :, :L] = _kernels["scores"](q[rows], keys, mask, weight)
 
 
 def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -195,27 +193,39 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 _SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def dense_attention(q, k, v, mask, score_weight=None):
-    """Padded dense attention with GQA, optionally with the PillarAttn scores of the weighted rows.
+KV_CHUNK = 64   # positions per step of dense attention's online softmax (see dense_attention)
 
-    q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool; score_weight: [B, Q] or
-    None -> out [B, Q, n_heads, D], scores [B, n_kv, L] (`pillar_attn.weighted_scores`) or None.
-    Without scores: torch's fused SDPA, the G query heads of a KV head packed into G x Q rows so
-    each KV head is read once for all of them. With scores: the float32 probabilities the scores
-    need give the output too (probabilities x V), instead of computing the logits twice."""
-    B, Q, H, _ = q.shape
-    L, n_kv = k.shape[1], k.shape[2]
-    if score_weight is not None:
-        probs = attention_probs(q.float(), k.float(), mask)                  # [B, n_kv, G, Q, L]
-        packed_probs = probs.to(v.dtype).view(B, n_kv, -1, L)                # [B, n_kv, G*Q, L]
-        out = torch.stack([torch.bmm(packed_probs[:, h], v[:, :, h]) for h in range(n_kv)], dim=1)
-        return unpack_groups(out, Q), weighted_scores(probs, score_weight)
-    # [B, 1, G*Q, L]
-    packed_mask = mask[:, None, None].expand(B, 1, H // n_kv, Q, L).reshape(B, 1, -1, L)
-    out = F.scaled_dot_product_attention(pack_groups(q, n_kv), k.transpose(1, 2),
-                                         v.transpose(1, 2),
-                                         attn_mask=packed_mask)              # [B, n_kv, G*Q, D]
-    return unpack_groups(out, Q), None
+
+def dense_attention(q, k, v, mask):
+    """Padded dense attention with GQA.
+
+    q: [B, Q, n_heads, D]; k, v: [B, L, n_kv, D]; mask: [B, Q, L] bool -> [B, Q, n_heads, D].
+    The G query heads of a KV head are packed into G x Q rows, so each KV head is read once for
+    all of them. Each row's arithmetic is the same whatever Q, B and the padding L: float32, an
+    online softmax over chunks of KV_CHUNK positions in order (a chunk a row cannot see changes
+    nothing: it adds exact zeros), and row-invariant matmuls. So a verification row equals the
+    decode row of its position bit for bit, in bfloat16 too."""
+    B, Q, H, D = q.shape
+    n_kv, pad = k.shape[2], -k.shape[1] % KV_CHUNK
+    compute = torch.promote_types(q.dtype, torch.float32)
+    queries = pack_groups(q, n_kv).to(compute) * D ** -0.5                   # [B, n_kv, G*Q, D]
+    keys, values = (F.pad(x, (0, 0, 0, 0, 0, pad)).to(compute).transpose(1, 2)
+                    for x in (k, v))                                         # [B, n_kv, L', D]
+    seen = F.pad(mask, (0, pad))[:, None, None].expand(B, 1, H // n_kv, Q, -1)
+    seen = seen.reshape(B, 1, queries.shape[2], -1)                          # [B, 1, G*Q, L']
+    row_max = queries.new_full((*queries.shape[:3], 1), float("-inf"))       # [B, n_kv, G*Q, 1]
+    row_sum = torch.zeros_like(row_max)
+    acc = torch.zeros_like(queries)                                          # [B, n_kv, G*Q, D]
+    for start in range(0, keys.shape[2], KV_CHUNK):
+        chunk = slice(start, start + KV_CHUNK)
+        logits = batch_invariant.matmul(queries, keys[:, :, chunk].transpose(-1, -2))
+        logits = logits.masked_fill(~seen[..., chunk], float("-inf"))        # [B, n_kv, G*Q, C]
+        new_max = torch.maximum(row_max, logits.amax(-1, keepdim=True))  # finite: all see pos 0
+        rescale, probs = torch.exp(row_max - new_max), torch.exp(logits - new_max)
+        row_sum = row_sum * rescale + probs.sum(-1, keepdim=True)
+        acc = acc * rescale + batch_invariant.matmul(probs, values[:, :, chunk])
+        row_max = new_max
+    return unpack_groups((acc / row_sum).to(v.dtype), Q)
 
 
 def pack_groups(q, n_kv):

@@ -76,6 +76,20 @@ def test_pillar_drafts_beat_streaming_and_lookups_keep_up():
     assert lookup >= pillar - 0.03, (lookup, pillar)
 
 
+@pytest.fixture(scope="module")
+def plain_bf16():
+    return LLM(device="cpu", dtype="bfloat16").generate(PROMPTS[1:], SamplingParams(max_new_tokens=64,
+                                                                                     ignore_eos=True))
+
+
+@pytest.mark.parametrize("method", ["pillar", "pillar-lookup", "streaming", "ngram"])
+def test_every_drafter_is_lossless_in_bfloat16_on_the_real_model(plain_bf16, method):
+    spec = LLM(device="cpu", dtype="bfloat16", method=method, async_verify=True)
+    outs = spec.generate(PROMPTS[1:], SamplingParams(max_new_tokens=64, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_bf16]
+    assert sum(spec.last_stats.accepted_counts) > 0
+
+
 def test_stop_string(llm, plain_outputs):
     full = plain_outputs[1].text
     stop = full[40:48]
