@@ -43,10 +43,8 @@ class RunStats:
     seconds: float = 0.0
     output_tokens: int = 0
     steps: int = 0
-    # tokens through the linear layers (GEMM batch)
-    tokens_per_step: list[int] = field(default_factory=list)
-    # KV positions each step's attention reads
-    kv_positions_per_step: list[int] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)        # through the linear layers
+    kv_positions_per_step: list[int] = field(default_factory=list)  # its attention reads
     verifications_per_step: list[int] = field(default_factory=list)
     drafts_per_step: list[int] = field(default_factory=list)
     # per verification with drafts: accepted drafts, drafts checked, verified context length
@@ -97,13 +95,9 @@ def kv_positions_read(works: list[Work], selection_len: list[int], method: str) 
     verification, plain decode, `full` drafts) reads its context up to its last query token once
     for all its query tokens; a sparse draft reads its selected positions plus those written
     since the last verification."""
-    total = 0
-    for w in works:
-        if w.kind == "draft" and method != "full":
-            total += selection_len[w.seq.row] + (w.start - w.seq.num_verified + 1)
-        else:
-            total += w.start + w.num_tokens
-    return total
+    return sum(selection_len[w.seq.row] + (w.start - w.seq.num_verified + 1)
+               if w.kind == "draft" and method != "full" else w.start + w.num_tokens
+               for w in works)
 
 
 @dataclass
@@ -191,11 +185,11 @@ class Engine:
         self.stats.seconds = time.perf_counter() - start
         self.stats.offloads, self.stats.restores = (self.scheduler.offload_events,
                                                     self.scheduler.restore_events)
-        if self.runner.graphs is not None:
-            self.stats.graphs_recorded = len(self.runner.graphs.steps)
-            self.stats.graph_record_seconds = self.runner.graphs.record_seconds
-            self.stats.graph_record_compile_seconds = (
-                self.runner.graphs.record_compile_seconds)
+        graphs = self.runner.graphs
+        if graphs is not None:
+            self.stats.graphs_recorded = len(graphs.steps)
+            self.stats.graph_record_seconds = graphs.record_seconds
+            self.stats.graph_record_compile_seconds = graphs.record_compile_seconds
         return self.stats
 
     def _record_step(self, step: int, works: list[Work], scheduled: float) -> None:
@@ -254,8 +248,8 @@ class Engine:
                 reason = "stop"
             if reason:
                 break
-        seq.commit_log.append((min(accepted, len(committed)),
-                               len(committed) - min(accepted, len(committed))))
+        drafted = min(accepted, len(committed))
+        seq.commit_log.append((drafted, len(committed) - drafted))
         self.stats.output_tokens += len(committed)
         if self.observers.on_commit is not None:
             self.observers.on_commit(seq, committed, accepted)
@@ -300,8 +294,6 @@ class Engine:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
-
-
     def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                        chosen: list[torch.Tensor]) -> list[torch.Tensor]:
         """`chosen` [L, n_kv, n] per request with the positions its verification just accepted (its
@@ -312,8 +304,7 @@ class Engine:
         if M == 0:
             return chosen
         N, device = max(widths), self.cache.device
-        # [B, L, n_kv, N]
-        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])
+        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])  # [B, L, n_kv, N]
         keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
         valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool,
                           device)

@@ -250,8 +250,7 @@ class LLM:
     def _output(self, seq: Sequence, prompt: str) -> RequestOutput:
         text = self.decode(seq.output_ids) if seq.error is None else ""
         for stop in seq.params.stop:
-            if stop in text:
-                text = text[:text.index(stop)]
+            text = text.split(stop, 1)[0]
         stats = {"output_tokens": len(seq.output_ids) if seq.error is None else 0}
         if self.spec.method != "plain":
             stats.update(acceptance_summary(seq.accepted_counts, seq.drafts_per_verify,
