@@ -4,16 +4,14 @@ Owns
   * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping
     of a step's results: committing accepted tokens, rolling back rejected KV, refreshing each
     request's critical positions, stop checks (EOS, stop strings, max_new_tokens, context end)
-    and statistics.
-    - sync: step t's results are processed before step t+1 is scheduled.
-    - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host
-      processes step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t
-      (the one synchronisation is `StepResult.fetch`). A request whose verification is still in
-      flight sits out one step (the stall); plain decoding instead runs ahead on the token in
-      flight (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
-  * the observer callbacks (`Observers`): each launched step (`StepEvent`), each commit of
-    tokens, each refresh of a request's critical positions. Tools and tutorials watch the
-    engine through them.
+    and statistics. Sync: step t's results are processed before step t+1 is scheduled. Delayed
+    verification (`SpecConfig.async_verify`): step t is launched *before* the host processes
+    step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
+    synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits
+    out one step (the stall); plain decoding instead runs ahead on the token in flight
+    (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
+  * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
+    each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
   * `RunStats`: what one run did, step by step.
 
 Must not re-implement sampling (verifier.py) or attention (attention.py, pillar_attn.py).

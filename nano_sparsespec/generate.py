@@ -184,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     printed = {"text": ""}
 
     def on_commit(seq, tokens, accepted):
-        """Print the newly decodable text of the single request.
-
-        The whole output is decoded each time, so merges across tokens stay right."""
+        """Print the newly decodable text of the single request (the whole output is decoded
+        each time, so merges across tokens stay right)."""
         text = llm.decode(seq.output_ids)
         new = text[len(printed["text"]):]
         if colour and new:

