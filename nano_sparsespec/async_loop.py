@@ -4,16 +4,14 @@ Owns
   * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping
     of a step's results: committing accepted tokens, rolling back rejected KV, refreshing each
     request's critical positions, stop checks (EOS, stop strings, max_new_tokens, context end)
-    and statistics.
-    - sync: step t's results are processed before step t+1 is scheduled.
-    - delayed verification (`SpecConfig.async_verify`): step t is launched *before* the host
-      processes step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t
-      (the one synchronisation is `StepResult.fetch`). A request whose verification is still in
-      flight sits out one step (the stall); plain decoding instead runs ahead on the token in
-      flight (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
-  * the observer callbacks (`Observers`): each launched step (`StepEvent`), each commit of
-    tokens, each refresh of a request's critical positions. Tools and tutorials watch the
-    engine through them.
+    and statistics. Sync: step t's results are processed before step t+1 is scheduled. Delayed
+    verification (`SpecConfig.async_verify`): step t is launched *before* the host processes
+    step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
+    synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits
+    out one step (the stall); plain decoding instead runs ahead on the token in flight
+    (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
+  * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
+    each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
   * `RunStats`: what one run did, step by step.
 
 Must not re-implement sampling (verifier.py) or attention (attention.py, pillar_attn.py).
@@ -43,10 +41,8 @@ class RunStats:
     seconds: float = 0.0
     output_tokens: int = 0
     steps: int = 0
-    # tokens through the linear layers (GEMM batch)
-    tokens_per_step: list[int] = field(default_factory=list)
-    # KV positions each step's attention reads
-    kv_positions_per_step: list[int] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)        # through the linear layers
+    kv_positions_per_step: list[int] = field(default_factory=list)  # its attention reads
     verifications_per_step: list[int] = field(default_factory=list)
     drafts_per_step: list[int] = field(default_factory=list)
     # per verification with drafts: accepted drafts, drafts checked, verified context length
@@ -97,13 +93,9 @@ def kv_positions_read(works: list[Work], selection_len: list[int], method: str) 
     verification, plain decode, `full` drafts) reads its context up to its last query token once
     for all its query tokens; a sparse draft reads its selected positions plus those written
     since the last verification."""
-    total = 0
-    for w in works:
-        if w.kind == "draft" and method != "full":
-            total += selection_len[w.seq.row] + (w.start - w.seq.num_verified + 1)
-        else:
-            total += w.start + w.num_tokens
-    return total
+    return sum(selection_len[w.seq.row] + (w.start - w.seq.num_verified + 1)
+               if w.kind == "draft" and method != "full" else w.start + w.num_tokens
+               for w in works)
 
 
 @dataclass
@@ -191,11 +183,11 @@ class Engine:
         self.stats.seconds = time.perf_counter() - start
         self.stats.offloads, self.stats.restores = (self.scheduler.offload_events,
                                                     self.scheduler.restore_events)
-        if self.runner.graphs is not None:
-            self.stats.graphs_recorded = len(self.runner.graphs.steps)
-            self.stats.graph_record_seconds = self.runner.graphs.record_seconds
-            self.stats.graph_record_compile_seconds = (
-                self.runner.graphs.record_compile_seconds)
+        graphs = self.runner.graphs
+        if graphs is not None:
+            self.stats.graphs_recorded = len(graphs.steps)
+            self.stats.graph_record_seconds = graphs.record_seconds
+            self.stats.graph_record_compile_seconds = graphs.record_compile_seconds
         return self.stats
 
     def _record_step(self, step: int, works: list[Work], scheduled: float) -> None:
@@ -254,8 +246,8 @@ class Engine:
                 reason = "stop"
             if reason:
                 break
-        seq.commit_log.append((min(accepted, len(committed)),
-                               len(committed) - min(accepted, len(committed))))
+        drafted = min(accepted, len(committed))
+        seq.commit_log.append((drafted, len(committed) - drafted))
         self.stats.output_tokens += len(committed)
         if self.observers.on_commit is not None:
             self.observers.on_commit(seq, committed, accepted)
@@ -300,8 +292,6 @@ class Engine:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
-
-
     def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                        chosen: list[torch.Tensor]) -> list[torch.Tensor]:
         """`chosen` [L, n_kv, n] per request with the positions its verification just accepted (its
@@ -312,8 +302,7 @@ class Engine:
         if M == 0:
             return chosen
         N, device = max(widths), self.cache.device
-        # [B, L, n_kv, N]
-        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])
+        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])  # [B, L, n_kv, N]
         keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
         valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool,
                           device)

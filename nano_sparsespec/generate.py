@@ -22,12 +22,6 @@ from .llm import LLM, default_device, read_prompts_file  # noqa: F401  (tools im
 
 GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
 SPARSE_METHODS = ("pillar", "streaming", "pillar-lookup")   # drafts over a budget of positions
-# Options that some settings do not use, and the settings: a bad value is still refused.
-UNUSED = {"top_p": ("--top-p", "greedy decoding (--temperature 0) does not use it"),
-          "top_k": ("--top-k", "greedy decoding (--temperature 0) does not use it"),
-          "stride": ("--stride", "--method plain does not draft"),
-          "budget_ratio": ("--budget-ratio", "only the sparse methods use it"),
-          "min_budget": ("--min-budget", "only the sparse methods use it")}
 
 
 class Parser(argparse.ArgumentParser):
@@ -111,15 +105,16 @@ def say(*parts: str) -> None:
 
 
 def explain(error: ValueError, args: argparse.Namespace) -> str:
-    """The error's message, with why an option that these settings do not use is still checked."""
+    """The error's message, with why an option that these settings do not use is still checked
+    (a bad value is refused all the same)."""
     message = str(error)
     field = message.split(" ", 1)[0]
-    unused = ((field in ("top_p", "top_k") and args.temperature == 0)
-              or (field == "stride" and args.method == "plain")
-              or (field in ("budget_ratio", "min_budget") and args.method not in SPARSE_METHODS))
-    if unused:
-        option, why = UNUSED[field]
-        message += f" ({option} is checked even though {why})"
+    greedy = "greedy decoding (--temperature 0) does not use it" if args.temperature == 0 else None
+    sparse = "only the sparse methods use it" if args.method not in SPARSE_METHODS else None
+    why = {"top_p": greedy, "top_k": greedy, "budget_ratio": sparse, "min_budget": sparse,
+           "stride": "--method plain does not draft" if args.method == "plain" else None}.get(field)
+    if why:
+        message += f" (--{field.replace('_', '-')} is checked even though {why})"
     return message
 
 
@@ -189,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     printed = {"text": ""}
 
     def on_commit(seq, tokens, accepted):
-        """Print the newly decodable text of the single request.
-
-        The whole output is decoded each time, so merges across tokens stay right."""
+        """Print the newly decodable text of the single request (the whole output is decoded
+        each time, so merges across tokens stay right)."""
         text = llm.decode(seq.output_ids)
         new = text[len(printed["text"]):]
         if colour and new:

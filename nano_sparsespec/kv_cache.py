@@ -74,13 +74,12 @@ class KVCache:
         # the scratch block, past the last, is never a request's: padded steps use its first slot
         self.scratch_block, self.scratch_slot = num_blocks, num_blocks * block_size
         shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)  # + scratch
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.pool = BlockPool(num_blocks, block_size, "device")
         host_shape = (num_layers, host_blocks * block_size, num_kv_heads, head_dim)
         pin = self.device.type == "cuda"
-        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_k, self.host_v = (torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+                                    for _ in range(2))
         self.host_pool = BlockPool(host_blocks, block_size, "host")
 
     # --- bookkeeping ------------------------------------------------------------------------------

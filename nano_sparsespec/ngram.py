@@ -9,8 +9,7 @@ from __future__ import annotations
 
 
 def propose(tokens: list[int], max_drafts: int, ngram_max: int, ngram_min: int) -> list[int]:
-    """Up to `max_drafts` tokens that followed the latest earlier match of the last n tokens.
-
+    """Up to `max_drafts` tokens that followed the latest earlier match of the last n tokens;
     n runs from `ngram_max` down to `ngram_min`; the longest matching n wins."""
     if max_drafts <= 0:
         return []

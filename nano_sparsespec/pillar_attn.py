@@ -10,10 +10,11 @@ positions plus the tokens written since the verification (attention.py), and the
 verification picks again.
 
 Owns
-  * the scores: `attention_logits` / `attention_probs` (explicit float32 probabilities, grouped by
-    KV head), `weighted_scores` (rows weighted and summed, the group averaged) and `pillar_scores`;
+  * the scores: `attention_logits` / `attention_probs` (explicit float32, grouped by KV head),
+    `weighted_scores` and `pillar_scores`;
   * the selection policies: `select_pillar` (top-B of the scores; B = `SpecConfig.budget`) and
-    `select_streaming` (StreamingLLM: sinks + most recent, the baseline).
+    `select_streaming` (StreamingLLM: sinks + most recent, the baseline);
+  * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first`.
 The first cycle after prefill has no verification yet: its scores come from the prompt's last row.
 
 Must not know about scheduling, sampling or the KV cache's layout.
@@ -26,9 +27,8 @@ from .device import to_device
 
 
 def attention_logits(q, k, mask):
-    """Scaled float32 attention logits, grouped by KV head, -inf where masked.
-
-    q: [B, Q, n_heads, D]; k: [B, L, n_kv, D]; mask: [B, Q, L] bool -> [B, n_kv, G, Q, L].
+    """Scaled float32 attention logits, grouped by KV head, -inf where masked: q [B, Q, n_heads, D],
+    k [B, L, n_kv, D], mask [B, Q, L] bool -> [B, n_kv, G, Q, L] (G query heads per KV head).
     One matmul per KV head reads that head's keys where they lie (no head-major copy of k)."""
     B, Q, H, D = q.shape
     n_kv = k.shape[2]
@@ -42,22 +42,19 @@ def attention_logits(q, k, mask):
 
 
 def attention_probs(q, k, mask):
-    """Explicit float32 attention probabilities -> [B, n_kv, G, Q, L] (G query heads per KV
-    head)."""
+    """Explicit float32 attention probabilities: arguments and result as `attention_logits`."""
     return attention_logits(q, k, mask).softmax(dim=-1)
 
 
 def weighted_scores(probs, score_weight):
-    """probs [B, n_kv, G, Q, L], score_weight [B, Q] -> scores [B, n_kv, L]: each row's
-    probabilities times its weight, summed over rows, averaged over the G query heads of each KV
-    head."""
+    """probs [B, n_kv, G, Q, L], score_weight [B, Q] -> scores [B, n_kv, L]: the rows weighted
+    and summed, the G query heads of each KV head averaged."""
     weight = score_weight.float()[:, None, None, :, None] / probs.shape[2]         # [B, 1, 1, Q, 1]
     return (probs * weight).sum(dim=(2, 3))
 
 
 def pillar_scores(q, k, mask, score_weight):
-    """PillarAttn scores of the weighted query rows: q [B, Q, n_heads, D], k [B, L, n_kv, D], mask
-    [B, Q, L], score_weight [B, Q] -> [B, n_kv, L]."""
+    """PillarAttn scores of the weighted query rows: `weighted_scores` of `attention_probs`."""
     return weighted_scores(attention_probs(q, k, mask), score_weight)
 
 
@@ -98,29 +95,47 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
     return positions.expand(num_layers, num_kv_heads, -1)
 
 
+def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
+                extra_valid: torch.Tensor) -> torch.Tensor:
+    """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
+    budget: those `extra` does not hold, the lowest-ranked making room.
+
+    selection: [B, L, n_kv, N] positions best first (as `select_pillar` returns them), the first
+    selection_len [B] of them real; extra, extra_valid: [B, M] -> keep [B, L, n_kv, N] bool."""
+    N = selection.shape[-1]
+    held = ((selection[..., None] == extra[:, None, None, None, :])
+            & extra_valid[:, None, None, None, :]).any(-1)                     # [B, L, n_kv, N]
+    kept_len = selection_len - extra_valid.sum(1)                              # [B]
+    real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]  # [B, N]
+    keep = ~held & real[:, None, None, :]
+    return keep & (keep.cumsum(-1) <= kept_len[:, None, None, None])
+
+
+def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
+                 extra_valid: torch.Tensor, extra_first: bool) -> torch.Tensor:
+    """One list of the `kept_beside` positions in rank order and the valid extra ones in their
+    order (first, or after the kept), selection_len in all (the rest is padding).
+
+    Arguments as `kept_beside` -> [B, L, n_kv, N]."""
+    B, L, n_kv, N = selection.shape
+    M = extra.shape[1]
+    keep = kept_beside(selection, selection_len, extra, extra_valid)
+    kept_rank = keep.cumsum(-1) - 1                                            # [B, L, n_kv, N]
+    extra_rank = extra_valid.cumsum(1) - 1                                     # [B, M]
+    if extra_first:
+        kept_rank = kept_rank + extra_valid.sum(1)[:, None, None, None]
+    else:
+        extra_rank = extra_rank + (selection_len - extra_valid.sum(1))[:, None]
+    extra_rank = torch.where(extra_valid & (extra_rank < selection_len[:, None]), extra_rank, N)
+    merged = torch.zeros(B, L, n_kv, N + 1, dtype=selection.dtype, device=selection.device)
+    merged.scatter_(-1, torch.where(keep, kept_rank, N), selection)           # N: dropped
+    merged.scatter_(-1, extra_rank[:, None, None, :].expand(B, L, n_kv, M),
+                    extra[:, None, None, :].expand(B, L, n_kv, M))
+    return merged[..., :N]
+
+
 def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch.Tensor,
                keep_valid: torch.Tensor) -> torch.Tensor:
-    """A ranked selection with the `keep` positions ranked first, the budget unchanged.
-
-    selection: [B, L, n_kv, N] positions best first, the first selection_len [B] of them real;
-    keep: [B, M] positions (those with keep_valid [B, M] set; distinct, inside the context)
-    -> [B, L, n_kv, N]: per (layer, KV head) the valid keep positions, then the selection's other
-    positions in rank order, selection_len in all (its lowest-ranked ones make room)."""
-    B, L, n_kv, N = selection.shape
-    M = keep.shape[1]
-    held = ((selection[..., None] == keep[:, None, None, None, :])
-            & keep_valid[:, None, None, None, :]).any(-1)                          # [B, L, n_kv, N]
-    real = (torch.arange(N, device=selection.device)[None, :]
-            < selection_len[:, None])[:, None, None]
-    others = real & ~held
-    first = keep_valid.sum(1)[:, None, None, None]                                 # [B, 1, 1, 1]
-    limit = selection_len[:, None, None, None]
-    target = torch.where(others, first + others.cumsum(-1) - 1, N)                 # after the kept
-    target = torch.where(target < limit, target, N)                                # N: dropped
-    merged = torch.zeros(B, L, n_kv, N + 1, dtype=selection.dtype, device=selection.device)
-    merged.scatter_(-1, target, selection)
-    rank = torch.where(keep_valid, keep_valid.cumsum(1) - 1, N)                    # [B, M]
-    rank = torch.where(rank < selection_len[:, None], rank, N)
-    merged.scatter_(-1, rank[:, None, None, :].expand(B, L, n_kv, M),
-                    keep[:, None, None, :].expand(B, L, n_kv, M))
-    return merged[..., :N]
+    """A ranked selection with the valid `keep` positions (distinct, inside the context) ranked
+    first, the budget unchanged: arguments and result as `merge_ranked`."""
+    return merge_ranked(selection, selection_len, keep, keep_valid, extra_first=True)

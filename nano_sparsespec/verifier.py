@@ -11,10 +11,8 @@ Owns
 
 Must not touch the KV cache or the model, nor sync with the host (.item(), .tolist(),
 data-dependent branches): only shapes and host-side flags decide Python control flow.
-
-Salts: SALT_TARGET (target or bonus token), SALT_DRAFT (draft token), SALT_ACCEPT (accept test),
-SALT_RESIDUAL (recovered token). Each uniform influences the output at most once per position
-(a position is drafted again only after its draft was rejected unseen), so reuse is sound.
+Each salt's uniform influences the output at most once per position (a position is drafted again
+only after its draft was rejected unseen), so reuse is sound.
 """
 from __future__ import annotations
 
@@ -25,10 +23,10 @@ import torch
 from .config import SamplingParams
 from .device import to_device
 
-SALT_TARGET = 0
-SALT_DRAFT = 1
-SALT_ACCEPT = 2
-SALT_RESIDUAL = 3
+SALT_TARGET = 0    # a target or bonus token
+SALT_DRAFT = 1     # a draft token
+SALT_ACCEPT = 2    # a draft's accept test
+SALT_RESIDUAL = 3  # a recovered token
 
 _M32 = 0xFFFFFFFF
 
@@ -104,17 +102,18 @@ class SamplingTensors:
                                    for p in params_list if not p.greedy),
                     all_greedy=all(greedy), any_greedy=any(greedy))
 
+    def _map(self, f) -> "SamplingTensors":
+        """`f` applied to every tensor, the host flags kept."""
+        return SamplingTensors(f(self.temperature), f(self.top_k), f(self.top_p), f(self.seed),
+                               f(self.greedy), self.use_filter, self.all_greedy, self.any_greedy)
+
     def per_position(self) -> "SamplingTensors":
         """The same rows viewed [N, 1], to broadcast over each request's logits [N, K + 1, V]."""
-        return SamplingTensors(self.temperature[:, None], self.top_k[:, None],
-                               self.top_p[:, None], self.seed[:, None], self.greedy[:, None],
-                               self.use_filter, self.all_greedy, self.any_greedy)
+        return self._map(lambda t: t[:, None])
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """Select / repeat rows: index Long[M] -> SamplingTensors of M rows."""
-        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
-                               self.seed[index], self.greedy[index], self.use_filter,
-                               self.all_greedy, self.any_greedy)
+        return self._map(lambda t: t[index])
 
     def select(self, index: torch.Tensor, flags: dict) -> "SamplingTensors":
         """Rows `index` Long[M] of a table, with `flags` = `host_flags` of just those requests."""
@@ -150,15 +149,14 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     logits = logits.float()  # [..., V]
     if st.all_greedy:        # cheap path: no softmax
         return _one_hot_argmax(logits)
-    greedy_probs = _one_hot_argmax(logits) if st.any_greedy else None  # [..., V] greedy rows
     temperature = torch.where(st.greedy, 1.0, st.temperature)  # [...], no 0-division on greedy
-    logits = logits / temperature[..., None]  # [..., V]
+    scaled = logits / temperature[..., None]  # [..., V]
     if st.use_filter:
-        logits = _top_k_top_p(logits, st.top_k, st.top_p)
-    probs = logits.softmax(-1)  # [..., V]
-    if greedy_probs is None:    # every row samples: no one-hot pass
+        scaled = _top_k_top_p(scaled, st.top_k, st.top_p)
+    probs = scaled.softmax(-1)  # [..., V]
+    if not st.any_greedy:       # every row samples: no one-hot pass
         return probs
-    return torch.where(st.greedy[..., None], greedy_probs, probs)
+    return torch.where(st.greedy[..., None], _one_hot_argmax(logits), probs)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -193,7 +191,7 @@ def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
     """probs Float[N, V], positions Long[N] (of the tokens being sampled) -> tokens Long[N]."""
     if st.all_greedy:
         return probs.argmax(-1)
-    u = uniform(st.seed, positions, salt)                                     # [N]
+    u = uniform(st.seed, positions, salt)  # [N]
     if not st.any_greedy:
         return _inverse_cdf(probs, u)
     return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u))
@@ -251,7 +249,6 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
     accept = (u * q_x < p_x) & valid  # P(accept) = min(1, p(x) / q(x))
     n = _accepted_prefix(accept)      # [B]
     is_bonus = n == num_drafts        # [B]
-
     p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V] row n
     if K > 0:
         i = n.clamp_max(K - 1)[:, None]  # [B, 1] rejected row (junk if bonus)
