@@ -27,7 +27,8 @@ ROW_TILE = 16   # rows per matmul tile
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] -> [..., M, N], each row computed in a tile of ROW_TILE."""
     rows = a.shape[-2]
-    a = F.pad(a, (0, 0, 0, -rows % ROW_TILE))                          # [..., M', K]
+    if rows % ROW_TILE:
+        a = F.pad(a, (0, 0, 0, -rows % ROW_TILE))                      # [..., M', K]
     if a.device.type != "cpu":
         return torch.matmul(a, b)[..., :rows, :]
     return torch.cat([torch.matmul(tile, b) for tile in a.split(ROW_TILE, dim=-2)],

@@ -22,7 +22,7 @@ from ..config import SamplingParams, SpecConfig
 from ..llm import LLM
 from ..runner import ModelRunner
 
-DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "reasoning.jsonl"
+DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 BUILTIN_PROMPTS = [
     "A train leaves at 9:40 and travels 210 km at 84 km/h. A second train leaves the same station "
     "at 10:05 at 105 km/h. Does the second train catch up before the first one arrives? Think "

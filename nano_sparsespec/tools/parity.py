@@ -8,6 +8,10 @@ For each verification row whose input token equals plain decoding's, the tool na
 piece, in the order the forward runs them, whose bits differ from the decode row's: the operation
 that breaks parity (everything after it differs because it did). Greedy speculation is lossless
 in a dtype exactly when no row has one.
+
+With `--outputs` it checks whole generations instead: plain greedy decoding of a batch of
+reasoning prompts, then every drafter with naive batching and with balanced batching and delayed
+verification, counting the outputs identical to plain decoding's.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from collections import Counter
 import torch
 
 from ..config import SamplingParams
-from ..llm import DTYPES, LLM
+from ..llm import DTYPES, LLM, read_prompts_file
 from .acceptance import BUILTIN_PROMPTS
+from .rows import DEFAULT_PROMPTS
 
 PIECES = (("qkv_in", "self_attn.qkv_proj", "input"), ("qkv", "self_attn.qkv_proj", "output"),
           ("attention", "self_attn.o_proj", "input"), ("o_proj", "self_attn.o_proj", "output"),
@@ -74,22 +79,14 @@ def compare(plain: dict, spec: dict, order: list[str]) -> Counter:
     return firsts
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="embedded (default), a .gguf or HF dir")
-    parser.add_argument("--gguf", default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--method", default="pillar-lookup")
-    parser.add_argument("--prompts", type=int, default=2, help="how many built-in prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--cuda-graphs", action="store_true")
-    parser.add_argument("--compile", action="store_true")
-    args = parser.parse_args(argv)
-    options = dict(device=args.device, dtype=args.dtype, gguf=args.gguf,
-                   cuda_graphs=args.cuda_graphs, compile=args.compile)
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def check_rows(args, options: dict) -> None:
+    """Per verification row: the first piece whose bits differ from the decode row's."""
     plain = LLM(args.model, method="plain", **options)
-    spec = LLM(args.model, method=args.method, batch_policy="naive", **options)
+    spec = LLM(args.model, method=args.methods[0], batch_policy="naive", **options)
     order = pieces_in_order(plain.model.config.num_layers)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     total, identical = Counter(), 0
@@ -98,13 +95,59 @@ def main(argv: list[str] | None = None) -> None:
         spec_tokens, spec_rows = record_rows(spec, prompt, params)
         identical += plain_tokens == spec_tokens
         total.update(compare(plain_rows, spec_rows, order))
-    rows = sum(total.values())
-    print(f"{args.method}, {args.dtype}, {args.device}: {identical} / {args.prompts} outputs "
-          f"identical to plain decoding; {total[None]} / {rows} verification rows bit-identical "
-          f"to their decode rows")
+    print(f"{args.methods[0]}, {args.dtype}, {args.device}: {identical} / {args.prompts} outputs "
+          f"identical to plain decoding; {total[None]} / {sum(total.values())} verification "
+          f"rows bit-identical to their decode rows")
     for piece, count in total.most_common():
         if piece is not None:
             print(f"  first difference in {piece}: {count} rows")
+
+
+def check_outputs(args, options: dict) -> None:
+    """Whole generations of a batch: every drafter x batching against plain decoding."""
+    prompts = read_prompts_file(str(DEFAULT_PROMPTS)) + BUILTIN_PROMPTS
+    prompts = [prompts[i % len(prompts)] for i in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(args.model, method="plain", **options).generate(prompts,
+                                                                                       params)]
+    print(f"{args.dtype}, {args.device}, cuda_graphs={args.cuda_graphs}, compile={args.compile}: "
+          f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy")
+    print("| method | batching | identical to plain | mean / min common prefix |")
+    print("|---|---|---|---|")
+    for method in args.methods:
+        for batching, policy, delayed in (("naive", "naive", False),
+                                          ("balanced + delayed", "balanced", True)):
+            llm = LLM(args.model, method=method, batch_policy=policy, async_verify=delayed,
+                      **options)
+            outputs = [o.token_ids for o in llm.generate(prompts, params)]
+            prefixes = [common_prefix(a, b) for a, b in zip(outputs, plain)]
+            same = sum(a == b for a, b in zip(outputs, plain))
+            print(f"| {method} | {batching} | {same} / {len(prompts)} | "
+                  f"{sum(prefixes) / len(prefixes):.0f} / {min(prefixes)} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="embedded (default), a .gguf or HF dir")
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--methods", default="pillar-lookup",
+                        help="comma-separated drafters (per-row mode: the first)")
+    parser.add_argument("--prompts", type=int, default=2, help="how many prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--outputs", action="store_true",
+                        help="compare whole generations of a batch instead of rows")
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args(argv)
+    args.methods = args.methods.split(",")
+    if not args.outputs and (args.cuda_graphs or args.compile):
+        parser.error("the per-row check reads each forward's rows from Python hooks: it runs "
+                     "eagerly (--cuda-graphs and --compile go with --outputs)")
+    options = dict(device=args.device, dtype=args.dtype, gguf=args.gguf,
+                   cuda_graphs=args.cuda_graphs, compile=args.compile)
+    (check_outputs if args.outputs else check_rows)(args, options)
     sys.stdout.flush()
 
 
