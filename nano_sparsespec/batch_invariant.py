@@ -1,4 +1,4 @@
-"""Row-invariant matmuls: a row's result never depends on how many rows share the call.
+"""Row-invariant arithmetic: a row's result never depends on how many rows share the call.
 
 Why: a verification computes the logits of its k + 1 rows in one forward, a decode step those of
 one row per request. Greedy speculation is lossless only if each verification row gets the bits
@@ -10,10 +10,12 @@ more rows), so the same row comes out differently beside 0 or 8 others.
 Owns `matmul`, which computes every row inside a tile of `ROW_TILE` rows (padded with zero rows)
 so the library always runs the same kernel on the same shape: on the CPU each tile is a call of
 its own (the library chooses its kernel, and its split of the work, by the number of rows); on a
-GPU one call over the padded rows (cuBLAS computes the rows of one call independently; the
-parity tool, tools/parity.py, checks it on the device). `Linear` is nn.Linear through it.
-Attention's own reductions run over fixed-size KV chunks (attention.py); the norms and the
-elementwise pieces (model.py) are per row already.
+GPU one call over the padded rows, in tiles of 32 (cuBLAS computes the rows of one call
+independently, but a batch of 16-row products switches kernel with the batch count; the parity
+tool, tools/parity.py, checks it on the device). `Linear` is nn.Linear through it.
+`mean_of_squares`, the RMS norms' reduction, sums fixed chunks of a row and adds them in order: a
+GPU reduction splits a long row over more threads when there are fewer rows. Attention's own
+reductions run over fixed-size KV chunks (attention.py).
 """
 from __future__ import annotations
 
@@ -21,18 +23,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROW_TILE = 16   # rows per matmul tile
+ROW_TILE = {"cpu": 16, "cuda": 32}   # rows per matmul tile, by device type
+REDUCE_CHUNK = 64   # elements per partial sum of `mean_of_squares`
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] -> [..., M, N], each row computed in a tile of ROW_TILE."""
-    rows = a.shape[-2]
-    if rows % ROW_TILE:
-        a = F.pad(a, (0, 0, 0, -rows % ROW_TILE))                      # [..., M', K]
+    """a [..., M, K] @ b [..., K, N] -> [..., M, N], each row computed in a tile of ROW_TILE
+    rows."""
+    rows, tile = a.shape[-2], ROW_TILE.get(a.device.type, 32)
+    if rows % tile:
+        a = F.pad(a, (0, 0, 0, -rows % tile))                          # [..., M', K]
     if a.device.type != "cpu":
         return torch.matmul(a, b)[..., :rows, :]
-    return torch.cat([torch.matmul(tile, b) for tile in a.split(ROW_TILE, dim=-2)],
+    return torch.cat([torch.matmul(part, b) for part in a.split(tile, dim=-2)],
                      dim=-2)[..., :rows, :]
+
+
+def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] float -> mean of x^2 over the last dimension [..., 1], row-invariant."""
+    D = x.shape[-1]
+    partial = F.pad(x, (0, -D % REDUCE_CHUNK)).pow(2).unflatten(-1, (-1, REDUCE_CHUNK)).sum(-1)
+    total = partial[..., 0]
+    for i in range(1, partial.shape[-1]):          # in order, elementwise: no reduction kernel
+        total = total + partial[..., i]
+    return (total / D)[..., None]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from . import attention
-from .batch_invariant import Linear, linear
+from .batch_invariant import Linear, linear, mean_of_squares
 from .config import ModelConfig
 
 
@@ -31,7 +31,7 @@ from .config import ModelConfig
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (HF Qwen3 order)."""
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * (xf * torch.rsqrt(mean_of_squares(xf) + eps)).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

@@ -119,7 +119,7 @@ def attention_case(g, L=3, H=6, n_kv=2, Q=4, N=40, context_len=36, hot_tail=True
             k[0, context_len:] = q[0, :, ::H // n_kv].mean(0) * 3
         v = torch.randn(1, N, n_kv, D, generator=g)
         mask = torch.ones(1, Q, N, dtype=torch.bool)
-        _, s = attention.dense_attention(q, k, v, mask, row_weight[None])  # s: [1, n_kv, N]
+        s = pillar_attn.pillar_scores(q, k, mask, row_weight[None])          # s: [1, n_kv, N]
         scores.append(s)
         G = H // n_kv    # the package orders query heads by KV head: head h = kv * G + g
         logits = torch.einsum("qhd,nhd->hqn", q[0], k[0].repeat_interleave(G, 1)) * D ** -0.5
@@ -156,7 +156,7 @@ def check_3(m) -> None:
                 f"{[round(float(score[i]), 4) for i in sorted(theirs - mine)]}); {len(wrong)} of "
                 f"{ref.shape[0] * ref.shape[1]} (layer, KV head)s differ from pillar_attn.select_pillar")
     passed("4 cases (GQA groups of 3, 3 and 4, MHA; rejected-draft columns that attract attention; budget > "
-           "context) select what dense_attention's scores + select_pillar select")
+           "context) select what pillar_scores + select_pillar select")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

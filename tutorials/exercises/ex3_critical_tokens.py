@@ -12,7 +12,7 @@ Query heads are numbered group by group: with G = H / num_kv_heads, the first G 
 next G KV head 1, and so on.
 
 Check your answer: python -m tutorials.check 3
-(reference: nano_sparsespec.attention.dense_attention's scores, then pillar_attn.select_pillar; tutorial 03)
+(reference: nano_sparsespec.pillar_attn.pillar_scores, then pillar_attn.select_pillar; tutorial 03)
 """
 import torch
 
