@@ -40,6 +40,13 @@ other jobs; yours will differ (by 2x or more on a loaded machine), the shape of 
    True" (the script stops with an error otherwise). Why: a draft is kept only if it equals the target's argmax at
    its position, and the first mismatch is replaced by that argmax; by induction every token is the one plain
    greedy decoding writes. With sampling, rejection sampling keeps the *distribution* identical (exercise 2).
+   The induction needs the verification's logits for a position to be, bit for bit, the decode step's. In
+   bfloat16 two kernels rarely agree to the last bit: the script multiplies 9 rows by the down projection's shape
+   (1,536 -> 576) one at a time and together, with torch's matmul (on this CPU 2 of 5,184 outputs differ in the
+   last place) and with `batch_invariant.linear` (none differs). A last-place difference matters at a near-tie: at
+   logits near 12, neighbouring bfloat16 values lie 0.0625 apart, so one flipped bit can swap the top two tokens,
+   and from there the texts part. The engine computes a verification row with a decode row's arithmetic
+   (`batch_invariant.py`; attention in fixed 64-position chunks), so the equality holds in bfloat16 too.
 
 5. What a cycle costs, three ways. A cycle of k drafts and one verification writes (accepted + 1) tokens, so
    speculation runs at (accepted + 1) x plain / (k x draft + verification) of plain decoding's speed.
@@ -83,7 +90,10 @@ if __package__ in (None, ""):   # run as a file: put the repository root on the 
 import statistics
 import time
 
-from nano_sparsespec import SamplingParams
+import torch
+import torch.nn.functional as F
+
+from nano_sparsespec import SamplingParams, batch_invariant
 
 from tutorials._common import PROMPT, StepLog, load_llm, parser, save_plot, section, start, table, with_spec
 from tutorials._roofline import MEASURED_HEADERS, MODEL_LEAVES_OUT, PAYS_TODAY, measured_rows, step_ms
@@ -172,6 +182,17 @@ def main(argv=None) -> None:
           "token is the one plain greedy decoding would have emitted.")
     if not same:
         raise SystemExit("greedy speculation changed the output: this is a bug")
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()              # the down projection's shape
+    rows = torch.randn(9, 1536, generator=g).bfloat16()                           # a verification's 9 rows
+    for name, linear in (("torch's matmul", F.linear), ("batch_invariant.linear", batch_invariant.linear)):
+        alone = torch.cat([linear(row[None], weight) for row in rows])              # each row in a call of 1
+        differ = int((alone != linear(rows, weight)).sum())
+        print(f"bfloat16, each row alone vs the 9 rows together, {name}: {differ} of {alone.numel()} outputs differ")
+    near = torch.tensor([12.375, 12.4375]).bfloat16()
+    print(f"a near-tie: logits {near.tolist()} are neighbouring bfloat16 values; one last-place change swaps the "
+          "argmax, and the texts part from that token on. The engine computes a verification row with the decode "
+          "row's arithmetic (batch_invariant.py), so greedy equality holds in bfloat16 too.")
 
     section("5. What a cycle costs: this CPU, the roofline model of an H200, and what an H200 measures")
     tokens = s["tokens_per_verification"]
