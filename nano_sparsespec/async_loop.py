@@ -165,7 +165,9 @@ class Engine:
         while self.scheduler.has_work() or in_flight is not None:
             scheduled = time.perf_counter()
             works = self.scheduler.schedule(step) if self.scheduler.has_work() else []
-            if not works and in_flight is None:
+            # a decoding request with no work and no result in flight waits for its verify slot
+            waiting = any(s.status == Status.RUNNING for s in self.scheduler.running)
+            if not works and in_flight is None and not waiting:
                 raise RuntimeError("scheduler made no progress: no request could be scheduled")
             launched = self.runner.launch(works) if works else None
             if launched is not None:

@@ -4,12 +4,20 @@ Owns `Sequence` (one request's tokens, state and acceptance statistics) and
 `Scheduler.schedule(step)`: the step's `Work` list under the batch policy, admission of waiting
 requests, and the offload/restore policy of the bounded KV pool.
 
-Phase clock: a running request owns a verify slot s in [0, P), P = drafts_per_cycle + 1 (+1 for
-the stall step of delayed verification). At step t it verifies when t % P == s, stalls when
-delayed and t % P == s + 1, and drafts otherwise. `naive` gives every request slot 0 (lock-step);
-`balanced` gives a newly prefilled request the least-loaded slot, so its first cycle may have
-fewer than k drafts. Plain and n-gram verify every step; with delayed verification plain decoding
-runs ahead instead of stalling (`SpecConfig.runs_ahead`): two results may be in flight.
+Phase clock: a decoding request owns a verify slot s in [0, P), P = drafts_per_cycle + 1 (+1 for
+the stall step of delayed verification), and verifies only on the steps t with t % P == s. After
+a verification it stalls one step when delayed (its result is in flight), then drafts until it
+holds k drafts (fewer near max_new_tokens or the context end: `draft_limit`) and waits, with no
+work, on any step left before its slot. `naive` gives every request slot 0 (lock-step).
+`balanced` gives a request, when its prefill's result is processed on step t, the least-loaded
+slot; its first cycle may have fewer than k drafts. With delayed verification it can act from
+step t + 1 on, so slot t % P would take k + 1 drafts: a request given that slot waits one step,
+and on a tie in load a slot without the wait is preferred. When a decoding request finishes and
+leaves its slot two below the fullest, one request of the fullest moves into it. So the loads of
+the slots never differ by more than one, and with B decoding requests (none offloaded: those
+keep their slot and sit out) each step verifies floor(B / P) or ceil(B / P) of them. Plain and
+n-gram verify every step; with delayed verification plain decoding runs ahead instead of stalling
+(`SpecConfig.runs_ahead`): two results may be in flight.
 
 Offload: when a step's KV does not fit, the latest-admitted request with no result in flight moves
 wholly to the host pool, keeping its phase; offloaded requests return first-out first-in once they
@@ -120,6 +128,7 @@ class Scheduler:
         self.period = (spec.drafts_per_cycle + 1
                        + (1 if spec.async_verify and not spec.runs_ahead else 0))
         self._admissions = itertools.count()
+        self.step = -1                         # the step last scheduled
         self.offload_events = self.restore_events = 0
 
     # --- requests ---------------------------------------------------------------------------------
@@ -138,29 +147,59 @@ class Scheduler:
         return bool(self.waiting or self.running or self.offloaded)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark `seq` finished with `reason` and release its KV and its row."""
+        """Mark `seq` finished with `reason` and release its KV, its row and its verify slot."""
+        held_slot = seq.status == Status.RUNNING
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.cache.free(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         self.free_rows.append(seq.row)
+        if held_slot:
+            self._fill_gap(seq.verify_slot)
 
     # --- the phase clock --------------------------------------------------------------------------
     def assign_slot(self, seq: Sequence) -> None:
-        """Give `seq` its verify slot: 0 when naive, the least-loaded slot when balanced."""
+        """Give `seq`, whose prefill's result is being processed, its verify slot: 0 when naive;
+        when balanced the least-loaded slot, on a tie one it reaches without waiting, then the
+        lowest."""
         if self.spec.batch_policy == "naive" or self.period == 1:
             seq.verify_slot = 0
             return
-        load = Counter(s.verify_slot for s in self.running + self.offloaded
-                       if s.status != Status.PREFILL and s is not seq)
-        seq.verify_slot = min(range(self.period), key=lambda s: (load[s], s))
+        load = Counter(s.verify_slot for s in self._slot_holders() if s is not seq)
+        first = self.step + 1                  # the first step it can act in
+
+        def waits(slot: int) -> bool:
+            return (slot - first) % self.period > self.spec.drafts_per_cycle
+
+        seq.verify_slot = min(range(self.period), key=lambda s: (load[s], waits(s), s))
+
+    def _fill_gap(self, slot: int) -> None:
+        """Balanced: a request has left `slot`; if the fullest slot now holds two more, move its
+        latest-admitted request into `slot`, which it reaches by drafting fewer or waiting."""
+        if self.spec.batch_policy == "naive" or self.period == 1:
+            return
+        holders = self._slot_holders()
+        load = Counter(s.verify_slot for s in holders)
+        fullest = max(range(self.period), key=lambda s: (load[s], -s))
+        if load[fullest] >= load[slot] + 2:
+            mover = max((s for s in holders if s.verify_slot == fullest),
+                        key=lambda s: s.admitted_at)
+            mover.verify_slot = slot
+
+    def _slot_holders(self) -> list[Sequence]:
+        """The requests that hold a verify slot: decoding ones, also while offloaded."""
+        return [s for s in self.running + self.offloaded if s.status != Status.PREFILL]
 
     def action(self, seq: Sequence, step: int) -> str:
-        """What a prefilled request does at global step `step`: verify, draft, stall or ahead."""
+        """What a prefilled request does at global step `step`: verify, draft, wait, stall or
+        ahead."""
         if seq.awaiting_result:
             # running ahead is worth it only if the token in flight is not the request's last
             return "ahead" if self.spec.runs_ahead and self.draft_limit(seq) > 0 else "stall"
-        return "verify" if (step - seq.verify_slot) % self.period == 0 else "draft"
+        if (step - seq.verify_slot) % self.period == 0:
+            return "verify"
+        drafts_worth_making = min(self.spec.drafts_per_cycle, self.draft_limit(seq))
+        return "draft" if seq.num_drafts < drafts_worth_making else "wait"
 
     def draft_limit(self, seq: Sequence) -> int:
         """Drafts worth making this cycle: at most k, no more than the tokens and context left."""
@@ -171,6 +210,7 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> list[Work]:
         """This step's work, one `Work` per scheduled request, its KV slots reserved."""
+        self.step = step
         self._restore_offloaded()
         self._admit()
         works = self._plan(step)
@@ -209,8 +249,6 @@ class Scheduler:
                 works.append(Work(seq, "prefill", seq.num_prefilled, n))
                 continue
             action = self.action(seq, step)
-            if action == "draft" and seq.num_drafts >= self.draft_limit(seq):
-                action = "verify"        # near max_new_tokens / the context end: no use drafting
             if action == "verify":
                 n_drafts = len(seq.ngram_drafts) if self.spec.method == "ngram" else seq.num_drafts
                 works.append(Work(seq, "verify", seq.num_verified, n_drafts + 1))

@@ -191,6 +191,50 @@ def test_balanced_staggers_verifications_and_naive_locks_step(tiny_qwen3):
             assert all(abs(v - target) <= 1 for v in steady), steady
 
 
+def verifications_per_step(llm, prompts, params) -> list[tuple[int, int, int]]:
+    """Run `llm`; for every step with decoding requests: (step, verifications, decoding requests)."""
+    from nano_sparsespec.scheduler import Status
+
+    steps = []
+
+    def on_step(event):
+        decoding = sum(s.status == Status.RUNNING for s in event.running)
+        if decoding:
+            steps.append((event.step, sum(w.kind == "verify" for w in event.works), decoding))
+
+    llm.generate(None, params, prompt_token_ids=prompts, on_step=on_step)
+    return steps
+
+
+@pytest.mark.parametrize("async_verify", [False, True])
+def test_balanced_verifies_about_b_over_p_requests_every_step(tiny_qwen3, async_verify):
+    """Balanced batching: with B requests decoding and P steps per cycle (k drafts, the
+    verification and, delayed, the stall), every step verifies floor(B / P) or ceil(B / P) of
+    them, so within one of B / P. 12 requests start together (with delayed verification the slot
+    of the step their prefill's result is processed on takes a wait to reach); then 30 with
+    different prompt and output lengths pass through 12 rows, arriving and finishing at different
+    times."""
+    g = torch.Generator().manual_seed(2)
+    k = 4
+    options = dict(method="pillar", stride=k, min_budget=8, batch_policy="balanced",
+                   async_verify=async_verify, device="cpu", dtype="float32", max_batch=12)
+    together = [torch.randint(0, 250, (8,), generator=g).tolist() for _ in range(12)]
+    apart = [torch.randint(0, 250, (int(n),), generator=g).tolist()
+             for n in torch.randint(3, 40, (30,), generator=g)]
+    apart_params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True)
+                    for n in torch.randint(20, 90, (30,), generator=g)]
+    runs = [(LLM(str(tiny_qwen3[0]), prefill_chunk=1024, **options), together,
+             SamplingParams(max_new_tokens=60, ignore_eos=True)),
+            (LLM(str(tiny_qwen3[0]), prefill_chunk=64, **options), apart, apart_params)]
+    period = k + 1 + async_verify
+    for llm, prompts, params in runs:
+        steps = verifications_per_step(llm, prompts, params)
+        assert len(steps) > 100
+        off = [(step, v, round(b / period, 2)) for step, v, b in steps
+               if not b // period <= v <= -(-b // period)]
+        assert not off, f"(step, verifications, B / P) not floor or ceil of B / P: {off[:12]}"
+
+
 def test_every_request_finishes_with_tiny_pool(tiny_qwen3, prompts, plain_greedy):
     """A pool that holds about one request at a time: everyone still finishes, nothing is lost or corrupted."""
     llm, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, kv_blocks=8, block_size=16,
