@@ -264,10 +264,12 @@ class Scheduler:
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:
-        """Latest-admitted request with work and no result in flight, or None (never the last
-        one)."""
-        settled = [w.seq for w in works if not w.seq.awaiting_result]
-        if len(self.running) <= 1 or len(works) <= 1 or not settled:
+        """Latest-admitted request with no result in flight that has work or waits for its slot
+        (both hold KV), or None (never the last one with work)."""
+        waiting = [s for s in self.running if s.status == Status.RUNNING
+                   and not s.awaiting_result and all(w.seq is not s for w in works)]
+        settled = [s for s in [w.seq for w in works] + waiting if not s.awaiting_result]
+        if len(self.running) <= 1 or len(works) + len(waiting) <= 1 or not settled:
             return None
         return max(settled, key=lambda s: s.admitted_at)
 

@@ -10,6 +10,8 @@ prefill the least-loaded slot, so each step carries about B / P verifications fo
 (tutorial 04).
 
 Check your answer: python -m tutorials.check 4
+The package's scheduler adds two refinements left out here: on a tie it prefers a slot the request reaches without
+waiting, and a request that holds its k drafts before its slot comes round waits for it (action 'wait').
 (reference: nano_sparsespec.scheduler.Scheduler: .period, .assign_slot, .action)
 """
 

@@ -11,6 +11,8 @@ follows from four concerns:
   * safety: a request whose result (of a verification, or of its final prefill chunk) is still in flight must stay
     on the device: processing that result touches its KV (rejected drafts are rolled back). With delayed
     verification such a request usually sits the step out, but plain decoding runs ahead and has work anyway.
+    (The package's scheduler also counts a request that waits, with no work, for its verify slot: it holds KV the
+    step cannot use. The cases here have none.)
   * fairness: of the requests that may go, the most recently admitted one leaves. It has made the least progress,
     and it would have waited had the pool been full when it arrived.
 
