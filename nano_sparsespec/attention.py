@@ -193,7 +193,7 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 _SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-KV_CHUNK = 64   # positions per step of dense attention's online softmax (see dense_attention)
+KV_CHUNK = 256  # positions per step of dense attention's online softmax (see dense_attention)
 
 
 def dense_attention(q, k, v, mask):

@@ -33,7 +33,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows, tile = a.shape[-2], ROW_TILE.get(a.device.type, 32)
     if rows % tile:
         a = F.pad(a, (0, 0, 0, -rows % tile))                          # [..., M', K]
-    if a.device.type != "cpu":
+    if a.device.type != "cpu" or a.shape[-2] == tile:
         return torch.matmul(a, b)[..., :rows, :]
     return torch.cat([torch.matmul(part, b) for part in a.split(tile, dim=-2)],
                      dim=-2)[..., :rows, :]
@@ -42,7 +42,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] float -> mean of x^2 over the last dimension [..., 1], row-invariant."""
     D = x.shape[-1]
-    partial = F.pad(x, (0, -D % REDUCE_CHUNK)).pow(2).unflatten(-1, (-1, REDUCE_CHUNK)).sum(-1)
+    if D % REDUCE_CHUNK:
+        x = F.pad(x, (0, -D % REDUCE_CHUNK))
+    partial = x.pow(2).unflatten(-1, (-1, REDUCE_CHUNK)).sum(-1)
     total = partial[..., 0]
     for i in range(1, partial.shape[-1]):          # in order, elementwise: no reduction kernel
         total = total + partial[..., i]

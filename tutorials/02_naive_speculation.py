@@ -46,7 +46,7 @@ other jobs; yours will differ (by 2x or more on a loaded machine), the shape of 
    last place) and with `batch_invariant.linear` (none differs). A last-place difference matters at a near-tie: at
    logits near 12, neighbouring bfloat16 values lie 0.0625 apart, so one flipped bit can swap the top two tokens,
    and from there the texts part. The engine computes a verification row with a decode row's arithmetic
-   (`batch_invariant.py`; attention in fixed 64-position chunks), so the equality holds in bfloat16 too.
+   (`batch_invariant.py`; attention in fixed chunks of positions), so the equality holds in bfloat16 too.
 
 5. What a cycle costs, three ways. A cycle of k drafts and one verification writes (accepted + 1) tokens, so
    speculation runs at (accepted + 1) x plain / (k x draft + verification) of plain decoding's speed.
