@@ -108,6 +108,8 @@ class StepEvent:
     started: float                 # time.perf_counter() when scheduling began
     launch_seconds: float          # host seconds the launch took (device work is not awaited)
     kv_positions: int              # KV positions its attention reads (`kv_positions_read`)
+    graphs_recorded: int = 0       # CUDA-graph buckets recorded so far (cuda_graphs.py)
+    graph_record_seconds: float = 0.0  # ... and the seconds that took
 
 
 # (request, new tokens, accepted drafts)
@@ -202,9 +204,10 @@ class Engine:
         self.stats.verifications_per_step.append(sum(w.kind == "verify" for w in works))
         self.stats.drafts_per_step.append(sum(w.kind == "draft" for w in works))
         if self.observers.on_step is not None:
-            s = self.scheduler
-            self.observers.on_step(StepEvent(step, works, list(s.running), list(s.offloaded),
-                                             scheduled, launched - scheduled, kv_positions))
+            s, graphs = self.scheduler, self.runner.graphs
+            self.observers.on_step(StepEvent(
+                step, works, list(s.running), list(s.offloaded), scheduled, launched - scheduled,
+                kv_positions, *((len(graphs.steps), graphs.record_seconds) if graphs else ())))
 
     # --- host bookkeeping of one step's results -------------------------------------------
     def _process(self, result: StepResult) -> None:

@@ -83,6 +83,7 @@ class AttentionContext:
     draft_v: torch.Tensor | None = None   #   positions' K/V, then its drafts' (`SparseBatch`)
     dense: DenseBatch | None = None
     sparse: SparseBatch | None = None
+    context_capacity: int = 0    # positions a request's block table can hold
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,8 +11,9 @@ one replay. A graph replays fixed shapes and fixed addresses, so:
 Owns
   * the buckets: `StepGraphs.bucket` rounds a step's shape (the runner's `StepShape`: dense
     requests x query rows x context blocks, sparse drafts x critical positions + window, drafts
-    sampled, checks verified, sampling flags) up (`batch_bucket`, `round_up`) so that a long
-    generation needs a few dozen graphs, not one per step. The runner pads its lists to the bucket;
+    sampled, checks verified, sampling flags) up to a batch size class and one context length,
+    or to a recorded bucket that covers it (`covers`), so that a long generation needs a few
+    dozen graphs, not one per step. The runner pads its lists to the bucket;
   * `StaticStep`: one bucket's static copy of the step's lists and (on CUDA) the graph recorded
     over them;
   * `StepGraphs.run(shape, packed, names)`: what the runner calls instead of its eager device step
@@ -28,7 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Callable
 
 import torch
@@ -52,8 +53,11 @@ def round_up(n: int, step: int) -> int:
 
 
 def batch_bucket(n: int) -> int:
-    """1, 2, 4, 8, then multiples of 8: small batches stay tight, large ones need few buckets."""
-    return 0 if n == 0 else 1 << (n - 1).bit_length() if n <= 8 else round_up(n, 8)
+    """1, 2, 4, 8, multiples of 8 up to 64, then four sizes per doubling (80, 96, 112, 128, 160,
+    ...): at most 25% padding, and a batch that shrinks from 1,024 to 0 meets 27 sizes."""
+    if n <= 8:
+        return 0 if n == 0 else 1 << (n - 1).bit_length()
+    return round_up(n, max(8, 1 << ((n - 1).bit_length() - 3)))
 
 
 class StaticStep:
@@ -132,6 +136,20 @@ class StaticStep:
         self.graphs.record_compile_seconds += compile_seconds() - compiled
 
 
+# a step's requests of each kind; a bucket may have more of them than its step (padding)
+BATCH_FIELDS = ("tokens", "dense_batch", "sparse_batch", "drafts", "checks")
+
+
+def covers(recorded, wanted) -> bool:
+    """Whether a step rounded to bucket `wanted` can replay bucket `recorded`: the same shape but
+    for its batch sizes, each at least the step's and at most twice it (`tokens` follows)."""
+    if any(getattr(recorded, f.name) != getattr(wanted, f.name) for f in fields(wanted)
+           if f.name not in BATCH_FIELDS):
+        return False
+    return all(getattr(wanted, name) <= getattr(recorded, name) <= 2 * getattr(wanted, name)
+               for name in BATCH_FIELDS[1:])
+
+
 def _layout(packed: Packed, names: list[str]) -> tuple:
     return tuple((name, packed.shapes[name]) for name in names)
 
@@ -145,8 +163,10 @@ class StepGraphs:
     token in flight and writes its own in the same place); `rows` the runner's request rows."""
 
     def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
+                 stride: int = 1, budget: Callable[[int], int] | None = None,
                  context_step: int = 256, width_step: int = 32):
-        self.compute, self.state, self.rows = compute, state, rows
+        self.compute, self.state, self.rows, self.stride = compute, state, rows, stride
+        self.block_size, self.budget = block_size, budget
         # dense context: whole blocks
         self.context_blocks = math.lcm(context_step, block_size) // block_size
         self.context_step, self.width_step = self.context_blocks * block_size, width_step
@@ -156,31 +176,57 @@ class StepGraphs:
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
 
     def bucket(self, shape):
-        """The runner's `StepShape` of a step rounded up to its bucket (the step is padded to that).
+        """The bucket a step is padded to: its own (`rounded`), or a recorded one that covers it
+        with at most twice its requests of each kind (`covers`). Growing and shrinking batches
+        (a run's start and its tail) then record one bucket per doubling, not one per size."""
+        own = self.rounded(shape)
+        if own in self.steps or own.dense_runs:
+            return own
+        covering = [b for b in self.steps if covers(b, own)]
+        return min(covering, key=lambda b: b.tokens) if covering else own
+
+    def rounded(self, shape):
+        """The runner's `StepShape` of a step rounded up to its own bucket.
 
         A step of prefill chunks (run apart from the rest of their step) is one run of all its
         chunks, each padded to the longest rounded up to a power of two, at least 64 rows: a few
         buckets then cover all prompts.
 
-        A draft step reads rows [0, sparse_rows] of the draft buffers (rounded as batches are, at
-        most the scratch row), selection_width (rounded to `width_step`) + lookups + window
-        (rounded to 8) columns of each, which the runner rounds to a multiple of 8: each row of the
-        sparse kernel's logits and probabilities then starts 16-byte aligned, which keeps cuBLAS
-        off its slow fallback kernels."""
-        s = shape
+        The batch sizes round with `batch_bucket`. The rest follows one context length (the dense
+        context or the lookups' verified tokens, whichever is longer, rounded to 256 positions):
+        the dense batch's blocks, the lookups' width and the drafts' selection width (at least
+        the budget at that context, rounded to `width_step`). Verifications have k + 1 query rows
+        and k drafts whatever they check, drafts a window of at least k, so that the steps of one
+        context share one bucket.
+
+        A draft step reads every row of the draft buffers (up to the scratch row), selection_width
+        + lookups + window (rounded to 8) columns of each, which the runner rounds to a multiple of
+        8: each row of the sparse kernel's logits and probabilities then starts 16-byte aligned,
+        which keeps cuBLAS off its slow fallback kernels."""
+        s, k = shape, self.stride
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
-        queries, blocks, runs = s.dense_queries, round_up(s.dense_blocks, self.context_blocks), ()
+        # one context length for the dense batch and the lookups
+        context = round_up(max(s.dense_blocks * self.block_size, s.lookup_context),
+                           self.context_step)
+        blocks = context // self.block_size if s.dense_blocks else 0
+        selection = s.selection_width
+        if selection and context and self.budget is not None:   # the budget at that context
+            selection = max(selection, self.budget(context))
+        queries, check_drafts, runs = s.dense_queries, s.check_drafts, ()
         if s.dense_runs:
             queries = max(64, 1 << (queries - 1).bit_length())
             runs = ((0, dense_batch, queries, blocks, True),)
+        elif queries > 1:          # verifications: k drafts and k + 1 query rows, whatever checked
+            queries, check_drafts = max(queries, k + 1), max(check_drafts, k)
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs,
                        sparse_batch=sparse_batch,
-                       sparse_rows=min(batch_bucket(s.sparse_rows), self.rows),
-                       selection_width=round_up(s.selection_width, self.width_step),
-                       window=round_up(s.window, 8),
-                       lookup_context=round_up(s.lookup_context, self.context_step),
-                       drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks))
+                       sparse_rows=self.rows if s.sparse_rows else 0,
+                       selection_width=round_up(selection, self.width_step),
+                       window=round_up(max(s.window, k), 8) if s.window else 0,
+                       lookup_context=context if s.lookup_context else 0,
+                       drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks),
+                       check_drafts=check_drafts)
 
     def memory_pool(self):
         """One memory pool for all these graphs: steps replay one at a time, so they share it."""

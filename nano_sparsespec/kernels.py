@@ -19,6 +19,8 @@ Must not change what the eager path computes, or shape it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +40,10 @@ SCORE_CHUNK_BYTES = 1 << 30
 def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
     """What `LLM(compile=True)` switches on for every model in this process: the compiled
     attention kernels (on a GPU with CUDA graphs, the paged kernel), the layers' fused elementwise
-    pieces, and fused sampling and verification."""
+    pieces, and fused sampling and verification. torch.compile keeps what it compiles (its
+    inductor and Triton caches) under the project's cache, so a later process reuses it."""
+    from .embedded import cache_root
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "torch-compile"))
     compile_kernels(paged=device.type == "cuda" and cuda_graphs)
     model.compile_elementwise()
     verifier.compile_sampling()
@@ -90,9 +95,12 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
     if d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return
     (_, _, mask, _), = d.runs
-    blocks, chunk_blocks = d.block_table.shape[1], max(1, PAGED_CHUNK // ctx.block_size)
+    # every context cut at the same positions into as many chunks as the longest one needs: the
+    # kernel's shapes depend on the batch alone, not on how long its contexts are
+    chunk = max(1, PAGED_CHUNK // ctx.block_size)                       # blocks per chunk
+    splits = -(-ctx.context_capacity // (chunk * ctx.block_size))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
-                                    ctx.k_cache.shape[1], group, splits=-(-blocks // chunk_blocks))
+                                    ctx.k_cache.shape[1], group, chunk, splits)
 
 
 def paged_finish(ctx: AttentionContext) -> None:
@@ -139,7 +147,7 @@ def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
 
 
 def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int,
-                     group: int, splits: int = 1):
+                     group: int, chunk: int | None = None, splits: int = 1):
     """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly
     mask[b, q, :].
 
@@ -151,15 +159,18 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     holds over the whole pool). The padding requests of a padded step all list the scratch block,
     which gets one owner: the others see nothing, and their rows are discarded. Built on the
     device, no host sync.
-    With `splits` > 1 each context is cut into that many chunks of consecutive blocks, each seen
-    as a request of its own (entry b * splits + s is chunk s of request b; `paged_attention`
-    merges them): the decoding kernel gives a (request, KV head) one CTA per split of the key
-    sequence, so without chunks a few long requests keep most SMs idle."""
+    With `chunk` each context is cut into `splits` chunks of `chunk` blocks (at least enough for
+    the context; the last ones may be empty), each seen as a request of its own (entry
+    b * splits + s is chunk s of request b; `paged_attention` merges them): the decoding kernel
+    gives a (request, KV head) one CTA per split of the key sequence, so without chunks a few long
+    requests keep most SMs idle. Without `chunk` the context is one chunk (`splits` 1)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, Q, L = mask.shape
     nb, pool_blocks = L // block_size, pool_slots // block_size
-    chunk = -(-nb // splits)                                           # blocks per chunk
+    chunk = chunk or nb                                                # blocks per chunk
+    if splits * chunk < nb:
+        raise ValueError(f"{splits} chunks of {chunk} blocks do not cover {nb} blocks")
     seen = mask.view(B, Q, nb, block_size)
     used = seen.any(-1).any(1)                                         # [B, nb]
     full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1)         # [B, nb]

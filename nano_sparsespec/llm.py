@@ -228,6 +228,9 @@ class LLM:
 
         def step(event: StepEvent) -> None:
             settle()
+            if event.graph_record_seconds:
+                bar.set_postfix_str(f"{event.graphs_recorded} CUDA graphs recorded in "
+                                    f"{event.graph_record_seconds:.0f} s", refresh=False)
             if on_step is not None:
                 on_step(event)
 

@@ -66,7 +66,8 @@ class ModelRunner:
         # one row more than requests: the scratch row, where a step's padding reads and writes
         self.scratch_row = rows
         self.draft_tokens = torch.zeros(rows + 1, k, **long)                  # [rows + 1, k]
-        self.graphs = (StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows)
+        self.graphs = (StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows,
+                                  k, spec.budget)
                        if cuda_graphs else None)
         self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
@@ -256,7 +257,8 @@ class ModelRunner:
         input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)],
                                 lists["input_ids"])
         ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size,
-                               draft_k=self.draft_k, draft_v=self.draft_v)
+                               draft_k=self.draft_k, draft_v=self.draft_v,
+                               context_capacity=self.block_tables.shape[1] * self.cache.block_size)
         if shape.dense_batch:
             ctx.dense = self._dense_batch(shape, lists)
         if shape.sparse_batch:

@@ -151,7 +151,8 @@ class StepLists:
         if plan.drafts:
             groups.append((self._draft_lists(plan.drafts), shape.drafts))
         if plan.checks:
-            groups.append((self._check_lists(plan, shape.scores), shape.checks))
+            groups.append((self._check_lists(plan, shape.scores, shape.check_drafts),
+                           shape.checks))
         padding, lists = self._padding(shape), {}
         for group, length in groups:
             for name, values in group.items():
@@ -220,10 +221,10 @@ class StepLists:
                 "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
                 "draft_position": [w.start + 1 for w, _ in drafts]}
 
-    def _check_lists(self, plan: StepPlan, with_scores: bool) -> dict[str, list]:
-        """Verifications and last prefill chunks; with scores, each one's dense batch index."""
+    def _check_lists(self, plan: StepPlan, with_scores: bool, m_max: int) -> dict[str, list]:
+        """Verifications and last prefill chunks, each with m_max + 1 logit rows (at least its
+        own); with scores, each one's dense batch index."""
         checks, num_drafts = plan.checks, plan.num_drafts
-        m_max = max(num_drafts)
         # logit rows: a verification's k+1 rows; a last prefill chunk's last row (repeated)
         logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
                       else [r + w.num_tokens - 1] * (m_max + 1)

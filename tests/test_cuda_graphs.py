@@ -8,6 +8,8 @@ Why "on the same path": padding changes the shapes of the matrix products (a 1-r
 and BLAS may round those differently in the last bit (measured: ~1e-6 in hidden states, fp32). Greedy equality is
 exact only between runs whose arithmetic is the same, so the padded drafters are compared with padded plain decoding;
 eager against eager is tests/test_engine.py."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,8 +23,40 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def test_bucket_sizes():
-    assert [batch_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 16, 17, 128)] == [0, 1, 2, 4, 8, 8, 16, 16, 24, 128]
+    assert [batch_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 128, 129, 900)] == \
+        [0, 1, 2, 4, 8, 8, 16, 16, 24, 64, 80, 128, 160, 1024]
+    assert len({batch_bucket(n) for n in range(1, 1025)}) == 27
+    assert all(n <= batch_bucket(n) <= max(n + 7, 1.25 * n) for n in range(1, 1025))
     assert [round_up(n, 256) for n in (1, 256, 257)] == [256, 256, 512]
+
+
+def test_steps_of_a_context_share_a_bucket():
+    """Mixed steps whose contexts lie in the same 256 positions share one bucket whatever their verifications check
+    (k + 1 query rows, k drafts), their drafts' windows and selections (the budget at that context) and which of
+    the dense context and the lookups is longer: the bucket key is the batch and one context length."""
+    from nano_sparsespec.step_lists import StepShape
+    k, budget = 8, lambda n: max(128, -(-n // 20))
+    graphs = StepGraphs(None, block_size=16, state=[], rows=1024, stride=k, budget=budget)
+
+    def shape(verify_tokens, window, selection, dense_blocks, lookup_context):
+        return StepShape(tokens=112 * verify_tokens + 900, dense_batch=112, dense_queries=verify_tokens,
+                         dense_blocks=dense_blocks, scores=True, sparse_batch=900, sparse_rows=1024,
+                         selection_width=selection, window=window, lookup_context=lookup_context, drafts=900,
+                         checks=112, check_drafts=verify_tokens - 1, draft_flags=(), check_flags=())
+    shapes = [shape(9, 8, 150, 3000 // 16, 2990), shape(6, 3, 131, 2900 // 16, 3050), shape(2, 1, 128, 3050 // 16, 0)]
+    buckets = {graphs.bucket(s) for s in shapes[:2]}
+    assert len(buckets) == 1
+    bucket, = buckets
+    assert (bucket.dense_queries, bucket.check_drafts, bucket.window) == (k + 1, k, 8)
+    assert (bucket.dense_blocks * 16, bucket.lookup_context, bucket.selection_width) == (3072, 3072, 160)
+    assert graphs.bucket(shapes[2]).dense_blocks == bucket.dense_blocks
+
+    # a recorded bucket serves a smaller batch of the same shape with at most twice its requests of each kind
+    graphs.steps[bucket] = None
+    fewer = replace(shapes[0], dense_batch=60, checks=60, sparse_batch=450, drafts=450)
+    assert graphs.bucket(fewer) == bucket
+    too_few = replace(fewer, dense_batch=40, checks=40)
+    assert graphs.bucket(too_few) == graphs.rounded(too_few) != bucket
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -73,7 +107,7 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
         eager, eager_drafts = eager.clone(), self.draft_tokens.clone()
         eager_scores = None if eager_scores is None else eager_scores.clone()
         packed, scores = run(self, plan, shape, True)
-        assert torch.equal(packed, eager)
+        assert torch.equal(packed[:, :eager.shape[1]], eager)   # a bucket's checks carry k drafts, read to their own
         assert torch.equal(self.draft_tokens[:-1], eager_drafts[:-1])      # all but the scratch row
         assert (scores is None) == (eager_scores is None)
         if scores is not None:
@@ -96,8 +130,9 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
 def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
-    plain decoding on it, with contexts in one piece (these are shorter than PAGED_CHUNK) or cut into chunks of one
-    block, merged by their logsumexps."""
+    plain decoding on it, with every context cut at the same positions into chunks of PAGED_CHUNK positions (these
+    contexts lie in the first) or of one block, merged by their logsumexps. The number of chunks is the same at
+    every step (the kernel's shapes do not depend on the contexts' lengths)."""
     monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
     calls, splits = [], []
 
@@ -114,7 +149,7 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
     assert {1, 5} <= set(calls)
-    assert max(splits) == (16 if chunk == 16 else 1)      # padded steps: 256 positions, 16 blocks
+    assert set(splits) == {-(-33 * 16 // chunk)}          # a block table holds 33 blocks of 16 positions
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):

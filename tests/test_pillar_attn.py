@@ -286,7 +286,8 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
     valid[..., 0] = True
     valid[:, 1, :, :3] = True
     sparse = SparseBatch(torch.tensor([row_S]), torch.tensor([1]), torch.tensor([1]), torch.tensor([2]), valid)
-    ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, draft_k, draft_v, dense=dense, sparse=sparse)
+    ctx = AttentionContext(k_cache, v_cache, slot_mapping, block, draft_k, draft_v, dense=dense, sparse=sparse,
+                           context_capacity=block_table.shape[1] * block)
     if paged:
         kernels.use_paged_reference()
     attention.prepare(ctx, G)
@@ -339,12 +340,12 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
         assert torch.allclose(out[row_S, h].double(), o, atol=TOL), ("S", h)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 5])
-def test_paged_attention_in_chunks_is_dense_attention(splits):
+@pytest.mark.parametrize("chunk,splits", [(None, 1), (3, 2), (2, 3), (1, 5), (2, 4)])
+def test_paged_attention_in_chunks_is_dense_attention(chunk, splits):
     """The paged kernel (torch's uncompiled flex_attention over the pool) with each request's context cut into
-    `splits` chunks of blocks, merged by their logsumexps: dense attention over the gathered context. Contexts of 1
-    to 5 blocks (some chunks empty); two padding requests list the scratch block, whose one owner sees position 0
-    and the other nothing: its rows come out 0, not NaN."""
+    `splits` chunks of `chunk` blocks, merged by their logsumexps: dense attention over the gathered context. Contexts
+    of 1 to 5 blocks (some chunks empty, one past every context); two padding requests list the scratch block, whose
+    one owner sees position 0 and the other nothing: its rows come out 0, not NaN."""
     g = torch.Generator().manual_seed(7)
     block, nb, pool_blocks = 4, 5, 24
     scratch = pool_blocks - 1
@@ -360,7 +361,7 @@ def test_paged_attention_in_chunks_is_dense_attention(splits):
     positions = torch.arange(nb * block)[None, None, :]
     mask = (positions <= (q_start[:, None] + torch.arange(Q))[:, :, None]) & (q_valid[:, :, None] | (positions == 0))
 
-    block_mask = kernels.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, splits=splits)
+    block_mask = kernels.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, chunk, splits)
     out = kernels.paged_attention(q, k_pool, v_pool, block_mask)                           # [5, Q, H, D]
 
     def gathered(pool):                                                               # [5, nb * block, N_KV, D]
@@ -427,7 +428,7 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged
                            runs=((0, 2, mask, False),), score_weight=weight,
                            scores=torch.full((cfg.num_layers, 2, cfg.num_kv_heads, Lmax), -1.0))
         slots = torch.tensor([4, 5, 6, 12, 13, 14])
-        ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense)
+        ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense, context_capacity=Lmax)
         with torch.inference_mode():
             model(ids, pos % 3, ctx)
         assert (dense.block_mask is not None) == paged and not dense.score_queries   # finish used what attend kept
@@ -468,7 +469,8 @@ def test_runs_attend_and_score_as_one_batch(tmp_path):
     def forward(runs):
         dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), q_start, runs=runs,
                            score_weight=weight, scores=torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, Lmax))
-        ctx = AttentionContext(k_cache.clone(), k_cache.clone(), torch.tensor([6, 12, 13, 14, 16]), 4, dense=dense)
+        ctx = AttentionContext(k_cache.clone(), k_cache.clone(), torch.tensor([6, 12, 13, 14, 16]), 4, dense=dense,
+                               context_capacity=8)
         with torch.inference_mode():
             hidden = model(ids, positions, ctx)
         return hidden[:4], dense.scores
@@ -701,7 +703,7 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     On the CPU plain decoding rows in one piece (torch's CPU compiler has no logsumexp); on CUDA contexts cut in two
     chunks, merged by their logsumexps."""
     from torch._dynamo.utils import counters
-    B, block, head_dim, splits = 4, 16, 16, (1 if device == "cpu" else 2)
+    B, block, head_dim, chunk, splits = 4, 16, 16, *((None, 1) if device == "cpu" else (2, 2))
     pool_slots = (B * 4 + 1) * block
     g = torch.Generator().manual_seed(11)
     k_pool, v_pool = torch.randn(2, pool_slots, N_KV, head_dim, generator=g).to(device).unbind(0)
@@ -709,7 +711,7 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     q_start = torch.tensor([40, 50, 20, 63], device=device)
     q_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
     mask = torch.arange(4 * block, device=device)[None, None] <= q_start[:, None, None]        # [B, 1, 64]
-    block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, splits=splits)
+    block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk, splits)
     q_index = torch.tensor([[0], [2], [3], [5]], device=device)                         # the dense rows of the step
     steps = [torch.randn(T, H, head_dim, generator=g).to(device) for T in (7, 9, 12)]   # 7, 9, 12 token rows
     expected = []

@@ -39,10 +39,10 @@ def rows_markdown(result: dict) -> str:
              "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
              " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | batch used "
              "| offloads / restores |"
-             " = plain |" + (" graphs (record s) |" if graphs else ""),
+             " = plain |" + (" graphs (record s) | start-up (s) |" if graphs else ""),
              "|---|---:|---:|" + ("---:|" if cpu else "")
              + "---:|---:|---:|---:|---:|---:|---:|---:|" +
-             ("---:|" if graphs else "")]
+             ("---:|---:|" if graphs else "")]
     for r in result["rows"]:
         acc = None if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f} / {s['stride']}"
         off = f"{r['offloads']} / {r['restores']}" if r["kv_blocks"] else "–"
@@ -55,11 +55,13 @@ def rows_markdown(result: dict) -> str:
                      f"| {r['peak_memory_bytes'] / 2**20:.1f} | {r['steps']} | {used} | {off} "
                      f"| {same_as_plain(r)} |" +
                      (f" {r.get('graphs_recorded', '–')} "
-                      f"({r.get('graph_record_seconds', 0):.1f}) |" if graphs else ""))
+                      f"({r.get('graph_record_seconds', 0):.1f}) "
+                      f"| {_fmt(r.get('startup_seconds'), '.1f')} |" if graphs else ""))
     if graphs:
         lines += ["", "With CUDA graphs, tok/s leaves out the one-time recording of each "
-                      "bucket's graph (last column: "
-                      "graphs recorded and seconds spent, as a server spends them once at start)."]
+                      "bucket's graph (graphs recorded and seconds spent, as a server spends them "
+                      "once at start). Start-up: the row's wall time (warm-up runs included) "
+                      "but for its decoding."]
     compiled = [f"{r['name']} {r['compile_seconds']:.1f} s "
                 f"({r.get('compile_seconds_recording', 0):.1f} s of it "
                 f"while recording graphs)"
