@@ -95,10 +95,13 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
     if d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return
     (_, _, mask, _), = d.runs
-    # every context cut at the same positions into as many chunks as the longest one needs: the
-    # kernel's shapes depend on the batch alone, not on how long its contexts are
+    # every context cut at the same positions; as many chunks as the longest context of the batch
+    # needs, rounded up to a power of two (at most what the longest possible one needs): the
+    # kernel is compiled for a few chunk counts per batch, not for every context length
     chunk = max(1, PAGED_CHUNK // ctx.block_size)                       # blocks per chunk
-    splits = -(-ctx.context_capacity // (chunk * ctx.block_size))
+    needed = -(-d.block_table.shape[1] // chunk)
+    splits = min(1 << (needed - 1).bit_length(),
+                 -(-ctx.context_capacity // (chunk * ctx.block_size)))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits)
 

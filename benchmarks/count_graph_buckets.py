@@ -1,0 +1,70 @@
+"""How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math).
+
+The engine, scheduler and bucketing run as they do on the GPU; the device step is replaced by one that
+accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does) and selects the budget's
+first positions. Prompts of 60-250 tokens, greedy, every request writes all its tokens.
+
+    python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY]]
+    python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced
+"""
+import random
+import sys
+import tempfile
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nano_sparsespec import LLM, SamplingParams, async_loop
+from nano_sparsespec.runner import ModelRunner
+
+
+class BucketCounter(ModelRunner):
+    """A runner whose device step only notes its bucket and makes up plausible results."""
+    rng = random.Random(0)
+
+    def _run(self, plan, shape, static):
+        self.graphs.steps[shape] = None                       # "recorded"
+        width = max(plan.num_drafts, default=0)
+        rows = []
+        for drafts in plan.num_drafts:
+            accepted = 0
+            while accepted < drafts and self.rng.random() < 0.97:
+                accepted += 1
+            rows.append([accepted, 7, int(accepted == drafts)] + [7] * width)
+        packed = torch.tensor(rows, dtype=torch.long).view(len(rows), 3 + width)
+        return packed, (torch.zeros(1, len(rows), 1, 1) if shape.scores else None)
+
+    def set_selections(self, seqs, positions):
+        for seq, p in zip(seqs, positions):
+            self.selection_len[seq.row] = p.shape[-1]
+
+    def set_context_tokens(self, seq):
+        pass
+
+
+def first_positions(scores, context, budgets):
+    return [torch.zeros(1, 1, b, dtype=torch.long) for b in budgets]
+
+
+def main() -> None:
+    batch, requests, tokens = (int(x) for x in sys.argv[1:4])
+    method = sys.argv[4] if len(sys.argv) > 4 else "pillar-lookup"
+    policy = sys.argv[5] if len(sys.argv) > 5 else "balanced"
+    path = tempfile.mkdtemp()
+    # a one-layer model with the embedded model's context length: buckets depend on nothing else of it
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=8192,
+                                 eos_token_id=255)).save_pretrained(path)
+    async_loop.pillar_attn.select_pillar = first_positions
+    llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
+              runner_class=BucketCounter, async_verify=policy == "balanced")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
+    llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),
+                 prompt_token_ids=prompts)
+    print(f"{method} {policy}, batch {batch}, {requests} requests x {tokens} tokens: "
+          f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps")
+
+
+if __name__ == "__main__":
+    main()
