@@ -40,11 +40,22 @@ SCORE_CHUNK_BYTES = 1 << 30
 def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
     """What `LLM(compile=True)` switches on for every model in this process: the compiled
     attention kernels (on a GPU with CUDA graphs, the paged kernel), the layers' fused elementwise
-    pieces, and fused sampling and verification. torch.compile keeps what it compiles (its
-    inductor and Triton caches) under the project's cache, so a later process reuses it."""
-    from .embedded import cache_root
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "torch-compile"))
+    pieces, and fused sampling and verification."""
+    use_project_compile_cache()
     compile_kernels(paged=device.type == "cuda" and cuda_graphs)
+
+
+def use_project_compile_cache() -> None:
+    """torch.compile keeps what it compiles (its inductor and Triton caches) under the project's
+    cache, so that a later process reuses it; unless the user chose a place
+    (TORCHINDUCTOR_CACHE_DIR). torch writes its default there itself once it has looked it up,
+    so that value counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .embedded import cache_root
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torch-compile")
     model.compile_elementwise()
     verifier.compile_sampling()
 

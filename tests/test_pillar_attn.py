@@ -1,6 +1,7 @@
 """attention.py, pillar_attn.py, kernels.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
 critical-token selection policies (PillarAttn top-B, StreamingLLM sink + recent)."""
 import math
+import os
 import shutil
 
 import pytest
@@ -729,3 +730,18 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     finally:
         kernels.use_eager_kernels()
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_kernels_are_cached_in_the_project(monkeypatch, tmp_path):
+    """torch.compile's cache goes under the project's cache, also after torch has looked up (and written) its default
+    place; a place the user chose stays."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    monkeypatch.setenv("NANO_SPARSESPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()                                                    # torch writes its default into the environment
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
+    kernels.use_project_compile_cache()
+    assert cache_dir() == str(tmp_path / "torch-compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    kernels.use_project_compile_cache()
+    assert cache_dir() == str(tmp_path / "mine")
