@@ -171,6 +171,7 @@ class StepGraphs:
         self.context_blocks = math.lcm(context_step, block_size) // block_size
         self.context_step, self.width_step = self.context_blocks * block_size, width_step
         self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
+        self.served: dict = {}               # rounded shape -> the recorded bucket that covers it
         self._pool = None
         self.record_seconds = 0.0            # wall time spent recording graphs (once, at start-up)
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
@@ -182,8 +183,12 @@ class StepGraphs:
         own = self.rounded(shape)
         if own in self.steps or own.dense_runs:
             return own
-        covering = [b for b in self.steps if covers(b, own)]
-        return min(covering, key=lambda b: b.tokens) if covering else own
+        if own not in self.served:                     # looked up once per bucket
+            covering = [b for b in self.steps if covers(b, own)]
+            if not covering:
+                return own
+            self.served[own] = min(covering, key=lambda b: b.tokens)
+        return self.served[own]
 
     def rounded(self, shape):
         """The runner's `StepShape` of a step rounded up to its own bucket.
@@ -249,5 +254,6 @@ class StepGraphs:
         if self.steps and torch.cuda.is_available():
             torch.cuda.synchronize()         # no replay in flight reads what is dropped
         self.steps.clear()
+        self.served.clear()
         # a pool that no graph holds is released: the next graphs take a new one
         self._pool = None
