@@ -43,6 +43,8 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
     pieces, and fused sampling and verification."""
     use_project_compile_cache()
     compile_kernels(paged=device.type == "cuda" and cuda_graphs)
+    model.compile_elementwise()
+    verifier.compile_sampling()
 
 
 def use_project_compile_cache() -> None:
@@ -56,8 +58,6 @@ def use_project_compile_cache() -> None:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torch-compile")
-    model.compile_elementwise()
-    verifier.compile_sampling()
 
 
 def compile_kernels(paged: bool = False) -> None:
