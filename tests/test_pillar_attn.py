@@ -734,8 +734,10 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
 
 def test_compiled_kernels_are_cached_in_the_project(monkeypatch, tmp_path):
     """torch.compile's cache goes under the project's cache, also after torch has looked up (and written) its default
-    place; a place the user chose stays."""
+    place; a place the user chose stays. Choosing the place swaps in no compiled piece."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from nano_sparsespec import model as model_module, verifier
     monkeypatch.setenv("NANO_SPARSESPEC_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     cache_dir()                                                    # torch writes its default into the environment
@@ -745,3 +747,21 @@ def test_compiled_kernels_are_cached_in_the_project(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     kernels.use_project_compile_cache()
     assert cache_dir() == str(tmp_path / "mine")
+    assert model_module._ops == model_module._eager_ops and verifier._fused["verify"] is verifier._verify_logits
+
+
+def test_the_fast_path_switches_on_every_compiled_piece(monkeypatch, tmp_path):
+    """`compile_fast_path` swaps compiled versions into all three tables: attention's kernels, the model's elementwise
+    pieces and the verifier's sampling (compiling happens at first use, not here)."""
+    from nano_sparsespec import model as model_module, verifier
+    monkeypatch.setenv("NANO_SPARSESPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    kernels.compile_fast_path(torch.device("cpu"), cuda_graphs=False)
+    try:
+        assert attention._kernels["sparse"] is not attention.EAGER_KERNELS["sparse"]
+        assert model_module._ops["rms_norm"] is not model_module._eager_ops["rms_norm"]
+        assert verifier._fused["verify"] is not verifier._verify_logits
+    finally:
+        kernels.use_eager_kernels()
+        model_module.use_eager_elementwise()
+        verifier.use_eager_sampling()
