@@ -168,8 +168,8 @@ class StepGraphs:
         self.compute, self.state, self.rows, self.stride = compute, state, rows, stride
         self.block_size, self.budget = block_size, budget
         # dense context: whole blocks
-        self.context_blocks = math.lcm(context_step, block_size) // block_size
-        self.context_step, self.width_step = self.context_blocks * block_size, width_step
+        self.context_step = math.lcm(context_step, block_size)
+        self.width_step = width_step
         self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
         self.served: dict = {}               # rounded shape -> the recorded bucket that covers it
         self._pool = None
