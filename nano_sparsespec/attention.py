@@ -14,14 +14,13 @@ Owns
   * the step's attention batches (`AttentionContext`, `DenseBatch`, `SparseBatch`), built by the
     runner.
   * `_kernels`, the functions `attend` calls: the eager ones here, or the fast path's compiled and
-    paged ones (kernels.py swaps them in; `prepare` and `finish` run once per forward around the
-    layers).
+    paged ones (kernels.py swaps them in; `prepare` runs once per forward before the layers).
 
 Must not know about scheduling or sampling.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +44,8 @@ class DenseBatch:
                                  #   (`prefill`: only a final chunk's last row can be scored)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each row in PillarAttn scores
     scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled when score_weight is set
-    block_mask: object | None = None          # the paged kernel's BlockMask (fast path, kernels.py)
-    # layer -> queries [Bd, Qmax, n_heads, D] the paged path keeps for kernels.finish
-    score_queries: dict = field(default_factory=dict)
+    block_mask: object | None = None          # the paged kernel's BlockMask (fast path,
+                                              #   kernels.py): then `runs` is one run
 
 
 def causal_mask(q_start: torch.Tensor, q_valid: torch.Tensor, context: int) -> torch.Tensor:
@@ -102,12 +100,12 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if ctx.dense is not None:
         if ctx.dense.block_mask is None:
             _dense_gathered(layer, out, q, k.shape[1:], ctx)
-        else:   # the fast path's paged kernel reads the pool in place; scored in kernels.finish
+        else:   # the fast path's paged kernel reads the pool in place
             d = ctx.dense
+            scored = () if d.score_weight is None else (d.scores[layer], d.block_table,
+                                                        d.q_start, d.score_weight)
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer],
-                              d.block_mask)
-            if d.score_weight is not None:
-                d.score_queries[layer] = q[d.q_index]             # [Bd, Qmax, n_heads, D]
+                              d.block_mask, *scored)
     if ctx.sparse is not None:
         s = ctx.sparse
         _kernels["sparse"](out, q, k, v, ctx.draft_k[layer], ctx.draft_v[layer], s.q_index,
@@ -286,12 +284,6 @@ def prepare(ctx: AttentionContext, group: int) -> None:
         _kernels["prepare"](ctx, group)
 
 
-def finish(ctx: AttentionContext) -> None:
-    """Once per forward, after the layers (the fast path's paged kernel scores all layers here)."""
-    if _kernels["finish"] is not None:
-        _kernels["finish"](ctx)
-
-
 EAGER_KERNELS = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_drafts,
-                 "paged": None, "prepare": None, "finish": None}
+                 "paged": None, "prepare": None}
 _kernels = dict(EAGER_KERNELS)   # what `attend` calls; kernels.py swaps in the fast path's

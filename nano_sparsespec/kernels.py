@@ -9,9 +9,9 @@ Owns
     (a GPU with CUDA graphs) dense decoding and verification read the paged pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
-    chunks that are merged by their log-sum-exps), and `paged_finish`, which scores every layer
-    of a verification in one batched pass after the layers (the paged kernel returns no
-    probabilities).
+    chunks that are merged by their log-sum-exps), and `column_scores`: a verification's
+    PillarAttn scores as a second flex_attention pass with queries and keys swapped, from the
+    rows' log-sum-exps (the probabilities are never in memory).
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, model, verifier
-from .attention import AttentionContext, gather_rows, pack_groups, unpack_groups
+from .attention import AttentionContext, pack_groups, unpack_groups
 from .pillar_attn import pillar_scores
 
 # The paged kernel cuts contexts into chunks of at most this many positions, each a CTA's work.
@@ -33,8 +33,15 @@ PAGED_CHUNK = 512
 # Triton settings of the decoding kernel: two pipeline stages overlap a block's loads with the
 # previous block's math (torch's default for sm_90 is one).
 PAGED_KERNEL_OPTIONS = {"num_stages": 2, "num_warps": 2}
-# Bytes the score pass of one `paged_finish` chunk of layers may take (gathered keys and logits).
-SCORE_CHUNK_BYTES = 1 << 30
+# The swapped score pass (`column_scores`): positions per query tile, verification rows per key
+# block (a verification has G x (k + 1) rows per KV head, 27 for the embedded model), and its
+# Triton settings (one key block of rows a tile: nothing to pipeline).
+SCORE_TILE, SCORE_ROWS = 128, 32
+SCORE_KERNEL_OPTIONS = {"BLOCK_M": SCORE_TILE, "BLOCK_N": SCORE_ROWS, "num_stages": 1,
+                        "num_warps": 4}
+# Width of the values of the swapped score pass: only its log-sum-exps are used, and
+# flex_attention's smallest value width keeps the output it writes anyway small.
+SCORE_VALUE_DIM = 16
 
 
 def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
@@ -71,7 +78,7 @@ def compile_kernels(paged: bool = False) -> None:
     kernels["sparse"] = torch.compile(attention.sparse_drafts, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        kernels.update(paged=_compiled_paged_dense(), prepare=paged_prepare, finish=paged_finish)
+        kernels.update(paged=_compiled_paged_dense(), prepare=paged_prepare)
 
 
 def _compiled_paged_dense():
@@ -95,7 +102,7 @@ def use_paged_reference() -> None:
     """The paged path with uncompiled flex_attention (torch's reference math over the whole pool:
     tiny pools only), so the CPU tests check the block mask that the compiled GPU kernel relies
     on."""
-    attention._kernels.update(paged=paged_dense, prepare=paged_prepare, finish=paged_finish)
+    attention._kernels.update(paged=paged_dense, prepare=paged_prepare)
 
 
 def paged_prepare(ctx: AttentionContext, group: int) -> None:
@@ -115,49 +122,6 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
                  -(-ctx.context_capacity // (chunk * ctx.block_size)))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits)
-
-
-def paged_finish(ctx: AttentionContext) -> None:
-    """After the layers: the PillarAttn scores of every layer whose queries the paged kernel kept,
-    as one batch of layers x requests per chunk of layers (one key gather, then the score kernels
-    once per chunk rather than once per layer). Same math per (layer, request) as `pillar_scores`.
-    Fills ctx.dense.scores [L, Bd, n_kv, Lmax]."""
-    d = ctx.dense
-    if d is None or not d.score_queries:
-        return
-    queries, d.score_queries = d.score_queries, {}
-    (_, B, mask, _), = d.runs                                  # the paged kernel attends one run
-    _, Q, L = mask.shape
-    _, slots, n_kv, D = ctx.k_cache.shape
-    blocks = slots // ctx.block_size
-    G = next(iter(queries.values())).shape[2] // n_kv         # query heads per KV head
-    # keys + float logits
-    layer_bytes = B * L * n_kv * (D * ctx.k_cache.element_size() + 8 * G * Q)
-    for first, n in _layer_runs(sorted(queries), max(1, SCORE_CHUNK_BYTES // layer_bytes)):
-        # [n, B, Q, n_heads, D]
-        q = torch.stack([queries[layer] for layer in range(first, first + n)])
-        # the n layers' blocks as rows of one table (block ids offset by layer): a gather along the
-        # first dimension, which CUDA's index_select vectorises
-        table = d.block_table.flatten() + blocks * torch.arange(n, device=mask.device)[:, None]
-        k = gather_rows(ctx.k_cache[first:first + n].view(n * blocks, -1), table)
-        k = k.view(n * B, L, n_kv, D)                                          # [n*B, L, n_kv, D]
-        mask_n = mask.expand(n, -1, -1, -1).flatten(0, 1)                      # [n*B, Q, L]
-        weight = d.score_weight.expand(n, -1, -1).flatten(0, 1)                # [n*B, Q]
-        # [n*B, n_kv, L]
-        scores = attention._kernels["scores"](q.flatten(0, 1), k, mask_n, weight)
-        d.scores[first:first + n] = scores.view(n, B, n_kv, L)
-
-
-def _layer_runs(layers: list[int], longest: int) -> list[tuple[int, int]]:
-    """Sorted layer ids -> (first, count) of runs of consecutive ids, each at most `longest`
-    long."""
-    runs = []
-    for layer in layers:
-        if runs and runs[-1][0] + runs[-1][1] == layer and runs[-1][1] < longest:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((layer, 1))
-    return runs
 
 
 def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int,
@@ -220,17 +184,34 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
                                     compute_q_blocks=False)
 
 
-def paged_dense(out, q, q_index, k_layer, v_layer, block_mask) -> None:
+def paged_dense(out, q, q_index, k_layer, v_layer, block_mask, scores=None, block_table=None,
+                q_start=None, score_weight=None) -> None:
     """out[q_index] = paged attention of q[q_index]: out, q [T, n_heads, D]; q_index [Bd, Qmax].
+    With `scores` [Bd, n_kv, Lmax], also the PillarAttn scores of the rows score_weight [Bd, Qmax]
+    weighs (`column_scores` over the keys of block_table [Bd, Lmax / block]; row q of request b
+    sits at position q_start[b] + q).
     One function, so that compiled, the queries' gather and the output's scatter fuse with the
     kernel's packing and the merge of the chunks."""
-    out[q_index.flatten()] = paged_attention(q[q_index], k_layer, v_layer, block_mask).flatten(0, 1)
+    queries = q[q_index]                                                   # [Bd, Qmax, n_heads, D]
+    if scores is None:
+        attended = paged_attention(queries, k_layer, v_layer, block_mask)
+        out[q_index.flatten()] = attended.flatten(0, 1)
+        return
+    attended, lse = paged_attention(queries, k_layer, v_layer, block_mask, with_lse=True)
+    out[q_index.flatten()] = attended.flatten(0, 1)
+    (Bd, nb), (_, n_kv, D) = block_table.shape, k_layer.shape
+    L = scores.shape[-1]
+    # [Bd, n_kv, L, D]: the keys head-major, gathered in one pass
+    keys = (k_layer.view(-1, L // nb, n_kv, D)[block_table].permute(0, 3, 1, 2, 4)
+            .reshape(Bd, n_kv, L, D))
+    scores.copy_(column_scores(queries, keys, q_start, score_weight, lse))
 
 
-def paged_attention(q, k_layer, v_layer, block_mask,
+def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
                     kernel_options: dict = PAGED_KERNEL_OPTIONS):
     """q: [B, Q, n_heads, D]; k_layer, v_layer: [slots, n_kv, D] one layer's pool ->
-    [B, Q, n_heads, D].
+    [B, Q, n_heads, D], and with `with_lse` each packed row's log-sum-exp [B, n_kv, G*Q] (float32;
+    -inf for a row that sees nothing).
 
     The G query heads of a KV head are packed into G x Q rows, so flex_attention sees one query
     head per KV head and can use its decoding kernel (which wants a power-of-two group). A block
@@ -244,14 +225,62 @@ def paged_attention(q, k_layer, v_layer, block_mask,
     keys, values = k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None]
     packed = pack_groups(q, k_layer.shape[1])                          # [B, n_kv, G*Q, D]
     splits = block_mask.kv_num_blocks.shape[0] // B
-    if splits == 1:
+    if splits == 1 and not with_lse:   # (torch's CPU compiler returns no log-sum-exp)
         return unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask,
                                             kernel_options=kernel_options), Q)
     out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values,
                               block_mask=block_mask, return_aux=AuxRequest(lse=True),
                               kernel_options=kernel_options)
-    # [B, S, n_kv, G*Q]; a row that sees nothing (a padding request's) has no finite lse: weight 0
-    weight = aux.lse.view(B, splits, *packed.shape[1:3]).softmax(dim=1).nan_to_num()
-    # [B, n_kv, G*Q, D]
-    out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)
-    return unpack_groups(out.to(q.dtype), Q)
+    lse = aux.lse.view(B, splits, *packed.shape[1:3])                  # [B, S, n_kv, G*Q]
+    if splits > 1:
+        # a row that sees nothing (a padding request's) has no finite lse: weight 0
+        weight = lse.softmax(dim=1).nan_to_num()
+        # [B, n_kv, G*Q, D]
+        out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)
+    out = unpack_groups(out.to(q.dtype), Q)
+    return (out, lse.logsumexp(dim=1)) if with_lse else out
+
+
+def column_scores(q, keys, q_start, score_weight, lse):
+    """`pillar_scores` without the probabilities in memory: q [B, Q, n_heads, D];
+    keys [B, n_kv, L, D] head-major; row q of request b at position q_start[b] + q;
+    score_weight [B, Q]; lse [B, n_kv, G*Q] the packed rows' log-sum-exps over their attention
+    (`paged_attention`) -> scores [B, n_kv, L] float32.
+
+    A second flex_attention pass with queries and keys swapped: each context position's key is a
+    query that attends to the G*Q packed rows of its KV head under the transposed causal mask. Its
+    score for row r minus (lse_r - log(weight_r / G)) is log(weight_r / G * p_r(position)), so the
+    pass's log-sum-exp is the log of the position's score: the keys are read once, and nothing of
+    size rows x positions is written."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+    B, Q, H, D = q.shape
+    n_kv, L = keys.shape[1:3]
+    G = H // n_kv
+    R = -(-G * Q // SCORE_ROWS) * SCORE_ROWS     # rows padded to whole key blocks: the kernel
+    pad = (0, R - G * Q)                          #   reads score_mod's tensor over whole blocks
+    rows = F.pad(pack_groups(q, n_kv), (0, 0) + pad)                        # [B, n_kv, R, D]
+    weight = F.pad(score_weight.float().repeat(1, G), pad)[:, None, :] / G  # [B, 1, R]
+    # rows that do not count (weight 0: padding, unscored) drop out: shift +inf
+    shift = torch.where(weight > 0, F.pad(lse, pad) - weight.log(), float("inf"))  # [B, n_kv, R]
+    # compiled, a tensor that score_mod reads must come into the graph from outside (torch 2.11's
+    # flex_attention lowering cannot index one computed in the same graph)
+    torch._dynamo.graph_break()
+
+    def minus_shift(score, b, h, position, row):
+        return score - shift[b, h, row]
+
+    def seen_by(b, h, position, row):             # the causal mask, transposed
+        return position <= q_start[b] + row % Q
+
+    tiles, row_blocks = -(-L // SCORE_TILE), R // SCORE_ROWS
+    # every tile of positions sees every block of rows, through `seen_by`
+    block_mask = BlockMask.from_kv_blocks(
+        torch.full((B, 1, tiles), row_blocks, dtype=torch.int32, device=q.device),
+        torch.arange(row_blocks, dtype=torch.int32, device=q.device).repeat(B, 1, tiles, 1),
+        BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R))
+    values = rows.new_zeros(B, n_kv, R, SCORE_VALUE_DIM)
+    _, aux = flex_attention(keys, rows, values, score_mod=minus_shift, block_mask=block_mask,
+                            scale=D ** -0.5, return_aux=AuxRequest(lse=True),
+                            kernel_options=SCORE_KERNEL_OPTIONS)
+    return aux.lse.float().exp()                                           # [B, n_kv, L]

@@ -202,8 +202,6 @@ class CausalLM(nn.Module):
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, rope, ctx)
-        if ctx is not None:
-            attention.finish(ctx)                              # the layers' PillarAttn scores
         return self.norm.add_forward(x, delta)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

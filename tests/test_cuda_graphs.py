@@ -136,19 +136,20 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
     monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
     calls, splits = [], []
 
-    def counted(out, q, q_index, k_layer, v_layer, block_mask):
+    def counted(out, q, q_index, k_layer, v_layer, block_mask, *scored):
         calls.append(q_index.shape[1])                  # query rows per request: 1 plain decoding, k + 1 verification
         splits.append(block_mask.kv_num_blocks.shape[0] // q_index.shape[0])            # chunks per context
-        kernels.paged_dense(out, q, q_index, k_layer, v_layer, block_mask)
+        scoring.append(bool(scored))
+        kernels.paged_dense(out, q, q_index, k_layer, v_layer, block_mask, *scored)
+    scoring = []
     monkeypatch.setitem(attention._kernels, "paged", counted)
     monkeypatch.setitem(attention._kernels, "prepare", kernels.paged_prepare)
-    monkeypatch.setitem(attention._kernels, "finish", kernels.paged_finish)
     _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
     _, outs = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
                        budget_ratio=0.1, batch_policy="balanced", async_verify=True, kv_blocks=12, block_size=16,
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
-    assert {1, 5} <= set(calls)
+    assert {1, 5} <= set(calls) and set(scoring) == {False, True}       # verifications scored by the paged kernel
     if chunk == 16:                                       # one block per chunk: 16 blocks (256 positions) of bucket
         assert set(splits) == {16}
     else:

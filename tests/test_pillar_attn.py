@@ -10,7 +10,7 @@ import torch
 from nano_sparsespec import attention, kernels
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
-from nano_sparsespec.pillar_attn import pillar_scores, select_pillar, select_streaming
+from nano_sparsespec.pillar_attn import attention_logits, pillar_scores, select_pillar, select_streaming
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
 G = H // N_KV
@@ -296,9 +296,6 @@ def test_attend_with_context_writes_cache_and_routes_rows(paged):
 
     out = attend(layer, q, k, v, ctx)
     assert out.shape == (T, H, D)
-    # gather + SDPA scores the layer from the keys it gathered; the paged path leaves it to `finish`
-    assert (dense.scores == -1).all() == paged and bool(dense.score_queries) == paged
-    attention.finish(ctx)
 
     # K/V written at slot_mapping of this layer only; every other slot untouched
     assert torch.equal(k_cache[layer, slot_mapping], k) and torch.equal(v_cache[layer, slot_mapping], v)
@@ -399,16 +396,13 @@ def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
 
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["gather+sdpa", "paged"])
-def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged):
-    """On the paged path `finish` scores the layers together (chunks of consecutive layers, as many as
-    SCORE_CHUNK_BYTES allows): the same scores as one layer at a time (whose math
-    test_attend_with_context_writes_cache_and_routes_rows checks), and as gather + SDPA's, which scores each layer in
-    `attend`; each a distribution over the context."""
+def test_paged_scores_of_every_layer_are_gather_and_sdpa_scores(tmp_path):
+    """A whole forward on the paged path (attention and scores from flex_attention: `column_scores`' swapped pass)
+    scores every layer as gather + SDPA does (explicit probabilities), a verification and a last prefill chunk alike:
+    each a distribution over the context."""
     from conftest import make_tiny_checkpoint
     from nano_sparsespec.model import load_model
 
-    assert kernels._layer_runs([0, 1, 2, 4, 5], 2) == [(0, 2), (2, 1), (4, 2)]
     path, _ = make_tiny_checkpoint(tmp_path, "qwen3")
     model = load_model(path)
     cfg = model.config
@@ -421,8 +415,7 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged
     mask = kv[None, None, :] <= torch.arange(3)[None, :, None].expand(2, 3, 1)
     weight = torch.tensor([[1 / 3, 1 / 3, 1 / 3], [0.0, 0.0, 1.0]])      # a verification, a last prefill chunk
 
-    def scores_with(chunk_bytes, paged):
-        monkeypatch.setattr(kernels, "SCORE_CHUNK_BYTES", chunk_bytes)
+    def scores_with(paged):
         kernels.use_paged_reference() if paged else kernels.use_eager_kernels()
         k_cache = torch.zeros(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
         dense = DenseBatch(q_index, q_valid, torch.tensor([[1, 2], [3, 0]]), torch.zeros(2),
@@ -432,15 +425,38 @@ def test_finish_scores_all_layers_as_layer_by_layer(tmp_path, monkeypatch, paged
         ctx = AttentionContext(k_cache, torch.zeros_like(k_cache), slots, 4, dense=dense, context_capacity=Lmax)
         with torch.inference_mode():
             model(ids, pos % 3, ctx)
-        assert (dense.block_mask is not None) == paged and not dense.score_queries   # finish used what attend kept
+        assert (dense.block_mask is not None) == paged
         return dense.scores
 
-    together, one_by_one = scores_with(1 << 30, paged), scores_with(1, paged)
-    assert cfg.num_layers > 1 and (together != -1).all()
-    torch.testing.assert_close(together, one_by_one, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(together, scores_with(1 << 30, not paged), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(together.sum(-1), torch.ones(cfg.num_layers, 2, cfg.num_kv_heads))
-    assert (together[..., 3:] == 0).all()               # nothing beyond the context
+    paged = scores_with(True)
+    assert cfg.num_layers > 1 and (paged != -1).all()
+    torch.testing.assert_close(paged, scores_with(False), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(paged.sum(-1), torch.ones(cfg.num_layers, 2, cfg.num_kv_heads))
+    assert (paged[..., 3:] == 0).all()               # nothing beyond the context
+
+
+@pytest.mark.parametrize("rows_per_block", [kernels.SCORE_ROWS, 3])
+def test_column_scores_are_weighted_probabilities(monkeypatch, rows_per_block):
+    """`column_scores` (queries and keys swapped, each row's logsumexp subtracted) equals `pillar_scores`' explicit
+    probabilities: rows of weight 0 (padding, an unscored row) drop out, and a padding request whose rows see
+    nothing and weigh nothing scores 0, not NaN. The G x Q = 8 rows in one key block, or in three."""
+    monkeypatch.setattr(kernels, "SCORE_ROWS", rows_per_block)
+    g = torch.Generator().manual_seed(3)
+    B, Q, L = 3, 4, 40
+    q = torch.randn(B, Q, H, D, generator=g)
+    k = torch.randn(B, L, N_KV, D, generator=g) * 2
+    q_start, q_len = torch.tensor([30, 5, 0]), torch.tensor([4, 2, 0])
+    q_valid = torch.arange(Q)[None, :] < q_len[:, None]
+    mask = attention.causal_mask(q_start, q_valid, L)
+    weight = q_valid.float() / q_len.clamp(min=1)[:, None]
+    weight[1] = torch.tensor([0.0, 1.0, 0.0, 0.0])                               # the last row alone
+    logits = attention_logits(q, k, mask)                                       # [B, n_kv, G, Q, L]
+    lse = logits.logsumexp(-1).flatten(2)                                       # [B, n_kv, G*Q]
+    lse[2] = float("-inf")                                                      # sees nothing
+    scores = kernels.column_scores(q, k.transpose(1, 2), q_start, weight, lse)
+    expected = pillar_scores(q, k, mask, weight)
+    torch.testing.assert_close(scores[:2], expected[:2], atol=1e-6, rtol=1e-4)
+    assert torch.equal(scores[2], torch.zeros(N_KV, L))
 
 
 def test_runs_attend_and_score_as_one_batch(tmp_path):
@@ -730,6 +746,37 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     finally:
         kernels.use_eager_kernels()
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CPU compiler returns no logsumexp")
+def test_compiled_paged_kernel_scores_verifications():
+    """Compiled on the GPU, the paged kernel of a verification batch (3 rows a request, contexts cut in two chunks)
+    attends as the reference does and scores as `pillar_scores` over the gathered keys."""
+    B, Q, block, head_dim, chunk, splits = 4, 3, 16, 16, 2, 2
+    pool_slots = (B * 4 + 1) * block
+    g = torch.Generator().manual_seed(12)
+    k_pool, v_pool = torch.randn(2, pool_slots, N_KV, head_dim, generator=g).cuda().unbind(0)
+    block_table = torch.randperm(B * 4, generator=g).view(B, 4).cuda()
+    q_start = torch.tensor([40, 50, 20, 61], device="cuda")
+    q_valid = torch.tensor([[True] * 3, [True] * 3, [True, False, False], [True] * 3], device="cuda")
+    mask = attention.causal_mask(q_start, q_valid, 4 * block)                              # [B, Q, 64]
+    weight = q_valid.float() / q_valid.sum(1, keepdim=True)
+    block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk, splits)
+    q_index = torch.arange(B * Q, device="cuda").view(B, Q)
+    q = torch.randn(B * Q + 1, H, head_dim, generator=g).cuda()
+    expected = torch.zeros_like(q)
+    kernels.paged_dense(expected, q, q_index, k_pool, v_pool, block_mask)
+    keys = k_pool.view(-1, block, N_KV, head_dim)[block_table].flatten(1, 2)              # [B, 64, n_kv, D]
+    expected_scores = pillar_scores(q[q_index], keys, mask, weight)
+    kernels.compile_kernels(paged=True)
+    try:
+        out, scores = torch.zeros_like(q), torch.full_like(expected_scores, -1.0)
+        attention._kernels["paged"](out, q, q_index, k_pool, v_pool, block_mask, scores, block_table, q_start, weight)
+    finally:
+        kernels.use_eager_kernels()
+    real = q_index[q_valid]                     # a padding row sees whole blocks of the compiled kernel: dropped
+    torch.testing.assert_close(out[real], expected[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=1e-4)
 
 
 def test_compiled_kernels_are_cached_in_the_project(monkeypatch, tmp_path):
