@@ -184,9 +184,11 @@ class StepProfiler:
         self.bm = byte_model(model, dtype)
 
     def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int,
-             select: bool = False) -> float:
+             select: bool = False) -> tuple[float, float]:
         """Time one step in which the first `n_verify` requests verify `verify_tokens` tokens
-        (a plain step: 1 token) and the others draft one token."""
+        (a plain step: 1 token) and the others draft one token -> (seconds, host seconds: until
+        `launch` returns, the step's lists built and its device work queued; on a GPU the device
+        runs after and beyond that)."""
         works = [Work(seq, "verify", self.context, verify_tokens) if i < n_verify else
                  Work(seq, "draft", self.context, 1) for i, seq in enumerate(self.seqs)]
         for w in works:
@@ -195,6 +197,7 @@ class StepProfiler:
         synchronize(self.device)
         start = time.perf_counter()
         result = runner.launch(works)
+        host = time.perf_counter() - start
         if result.verify_works:
             result.fetch()
         # What the engine does next with a verification: pick the next cycle's critical positions.
@@ -206,18 +209,18 @@ class StepProfiler:
         for w in works:
             self.cache.rollback(w.seq.seq_id, w.num_tokens)
             w.seq.num_drafts = 0
-        return seconds
+        return seconds, host
 
-    def plain(self) -> float:
+    def plain(self) -> tuple[float, float]:
         return self._run(self.plain_runner, self.batch, 1)
 
-    def draft(self) -> float:
+    def draft(self) -> tuple[float, float]:
         return self._run(self.runner, 0, 1)
 
-    def verify(self) -> float:
+    def verify(self) -> tuple[float, float]:
         return self._run(self.runner, self.batch, self.k + 1, select=True)
 
-    def mixed(self) -> float:
+    def mixed(self) -> tuple[float, float]:
         return self._run(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, select=True)
 
     def step_bytes(self) -> dict:
@@ -231,12 +234,14 @@ class StepProfiler:
 
     def measure(self, reps: int, warmup: int = 1,
                 kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
+        """kind -> (median seconds, median host seconds) of `reps` steps."""
         out = {}
         for kind in kinds:
             fn = getattr(self, kind)
             for _ in range(warmup):
                 fn()
-            out[kind] = statistics.median(fn() for _ in range(reps))
+            runs = [fn() for _ in range(reps)]
+            out[kind] = tuple(statistics.median(run[i] for run in runs) for i in (0, 1))
         return out
 
     def plain_breakdown(self, reps: int) -> dict:
@@ -305,7 +310,8 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             raise ValueError(f"unknown profile model {name!r}: "
                              f"expected 'model' or one of {list(QWEN3_SHAPES)}")
         built = False
-        # batch -> seconds of a plain step over one block of context at most (`balanced_speedup`)
+        # batch -> (seconds, host seconds) of a plain step over one block of context at most
+        # (`balanced_speedup`)
         floors = {}
         for batch, context in shapes:
             entry = {"model": label, "batch": batch, "context": context, "stride": args.stride,
@@ -335,12 +341,13 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             prof = StepProfiler(model, batch, context, args.stride, device, dtype,
                                 args.budget_ratio, args.min_budget, args.temperature, args.seed,
                                 args.cuda_graphs, args.block_size)
-            times = prof.measure(args.profile_reps)
+            measured = prof.measure(args.profile_reps)
+            times = {kind: seconds for kind, (seconds, _) in measured.items()}
             nbytes = prof.step_bytes()
             entry["budget"] = prof.budget
-            for kind in ("plain", "draft", "verify", "mixed"):
-                entry[kind] = {"ms": round(times[kind] * 1e3, 3), "bytes": nbytes[kind],
-                               "gbs": round(nbytes[kind] / times[kind] / 1e9, 2)}
+            for kind, (seconds, host) in measured.items():
+                entry[kind] = {"ms": round(seconds * 1e3, 3), "host_ms": round(host * 1e3, 3),
+                               "bytes": nbytes[kind], "gbs": round(nbytes[kind] / seconds / 1e9, 2)}
             entry["draft_over_plain"] = round(times["draft"] / times["plain"], 3)
             entry["verify_over_plain"] = round(times["verify"] / times["plain"], 3)
             # A balanced step against the mean step of lock-step batching (k drafts + 1
@@ -358,12 +365,14 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                                      args.seed, args.cuda_graphs, args.block_size)
                 floors[batch] = floor.measure(args.profile_reps, kinds=("plain",))["plain"]
                 del floor
-            entry["plain_floor"] = {"context": floor_context, "ms": round(floors[batch] * 1e3, 3)}
+            entry["plain_floor"] = {"context": floor_context,
+                                    "ms": round(floors[batch][0] * 1e3, 3),
+                                    "host_ms": round(floors[batch][1] * 1e3, 3)}
             entry["balanced_at_accepted"] = {
                 f"{a:g}": round(balanced_speedup(times["plain"], times["mixed"],
                                                  args.stride, a), 3) for a in accepted}
             entry["ceiling_at_accepted"] = {
-                f"{a:g}": round(balanced_speedup(times["plain"], floors[batch],
+                f"{a:g}": round(balanced_speedup(times["plain"], floors[batch][0],
                                                  args.stride, a), 3) for a in accepted}
             # A replayed graph runs no Python per module: nothing to split.
             if not args.cuda_graphs:

@@ -89,7 +89,7 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
             "| verify / plain | " + " | ".join(f"speedup @ {a} acc." for a in accepted) +
             " | mixed ms | mixed / lock-step mean | "
             + " | ".join(f"balanced @ {a} acc." for a in accepted) +
-            f" | plain ms at ctx {floor} | "
+            f" | plain ms at ctx {floor} (host ms) | "
             + " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
     lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; "
              f"speedup: lock-step, "
@@ -100,7 +100,8 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
              f"with plain ms at ctx {floor} for the step, the most a drafter that runs the "
              f"model's layers could gain "
              f"at the shape, as no such step costs less than a plain step with next to nothing "
-             f"to attend to):", "",
+             f"to attend to; host ms: until its device work is queued, on a GPU the rest is the "
+             f"device's):", "",
              head,
              "|" + "---|" * (11 + 3 * len(accepted))]
     for e in profile:
@@ -117,7 +118,8 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
                      + " | ".join(speed) +
                      f" | {e['mixed']['ms']:.2f} | {e['mixed_over_lockstep_mean']:.2f} | "
                      + " | ".join(balanced) +
-                     f" | {e['plain_floor']['ms']:.2f} | " + " | ".join(ceiling) + " |")
+                     f" | {e['plain_floor']['ms']:.2f} ({e['plain_floor']['host_ms']:.2f}) | "
+                     + " | ".join(ceiling) + " |")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
         lines += ["", "Where one plain step's time goes "
