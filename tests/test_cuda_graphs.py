@@ -72,6 +72,26 @@ def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, 
     assert outs == plain
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the paged kernel is compiled for the GPU alone")
+@pytest.mark.parametrize("method,async_verify", [("pillar", True), ("pillar-lookup", False)])
+def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypatch, method, async_verify):
+    """The whole fast path on the GPU (CUDA graphs, the compiled paged kernel whose verifications score through the
+    swapped pass, compiled elementwise pieces and sampling): greedy speculation equals plain decoding, float32."""
+    from nano_sparsespec import model as model_module, verifier
+    monkeypatch.setenv("NANO_SPARSESPEC_CACHE", str(tmp_path))
+    try:
+        _, plain = generate(tiny_qwen3[0], prompts, device="cuda", cuda_graphs=True, compile=True, method="plain",
+                            max_batch=5)
+        _, outs = generate(tiny_qwen3[0], prompts, device="cuda", cuda_graphs=True, compile=True, method=method,
+                           stride=4, min_budget=8, budget_ratio=0.1, batch_policy="balanced",
+                           async_verify=async_verify, kv_blocks=12, block_size=16, max_batch=5, prefill_chunk=32)
+    finally:
+        kernels.use_eager_kernels()
+        model_module.use_eager_elementwise()
+        verifier.use_eager_sampling()
+    assert outs == plain
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_drafts_read_aligned_widths(tiny_qwen3, prompts, monkeypatch, cuda_graphs):
     """A draft step reads a multiple of 8 columns of the draft buffers (rows of the sparse kernel's logits start
