@@ -225,8 +225,9 @@ class StepLists:
         """Verifications and last prefill chunks, each with m_max + 1 logit rows (at least its
         own); with scores, each one's dense batch index."""
         checks, num_drafts = plan.checks, plan.num_drafts
-        # logit rows: a verification's k+1 rows; a last prefill chunk's last row (repeated)
-        logit_rows = [[r + min(j, m) for j in range(m_max + 1)] if w.kind == "verify"
+        # logit rows: a verification's m + 1 rows (its last repeated up to m_max + 1); a last
+        # prefill chunk's last row (repeated)
+        logit_rows = [list(range(r, r + m + 1)) + [r + m] * (m_max - m) if w.kind == "verify"
                       else [r + w.num_tokens - 1] * (m_max + 1)
                       for (w, r), m in zip(checks, num_drafts)]                 # [Bv, M+1]
         lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
