@@ -71,8 +71,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got num_blocks={num_blocks}")
         self.block_size, self.device = block_size, torch.device(device)
-        # the scratch block, past the last, is never a request's: padded steps use its first slot
-        self.scratch_block, self.scratch_slot = num_blocks, num_blocks * block_size
+        # the scratch block, past the last, is never a request's: padded steps write there
+        self.scratch_block = num_blocks
         shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)  # + scratch
         self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.pool = BlockPool(num_blocks, block_size, "device")

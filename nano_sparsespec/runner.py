@@ -256,7 +256,10 @@ class ModelRunner:
         feed = lists["feed_from"]                                                   # [T]
         input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)],
                                 lists["input_ids"])
-        ctx = AttentionContext(self.cache.k, self.cache.v, lists["slots"], self.cache.block_size,
+        positions, bs = lists["positions"], self.cache.block_size                  # [T]
+        # where the step's K/V go: each token's slot, from its row's block table
+        slots = self.block_tables[lists["token_row"], positions // bs] * bs + positions % bs
+        ctx = AttentionContext(self.cache.k, self.cache.v, slots, self.cache.block_size,
                                draft_k=self.draft_k, draft_v=self.draft_v,
                                context_capacity=self.block_tables.shape[1] * self.cache.block_size)
         if shape.dense_batch:
@@ -265,7 +268,7 @@ class ModelRunner:
             ctx.sparse = self._sparse_batch(shape, lists, input_ids)
         readout = Readout(**{name: lists.get(name) for name in READOUT_LISTS},
                           draft_flags=dict(shape.draft_flags), check_flags=dict(shape.check_flags))
-        hidden = self.model(input_ids, lists["positions"], ctx)                     # [T, hidden]
+        hidden = self.model(input_ids, positions, ctx)                              # [T, hidden]
         draft_logits, check_logits = self._logits(hidden, readout)
         if readout.draft_row is not None:
             self._sample_drafts(draft_logits, readout)

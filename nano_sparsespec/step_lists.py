@@ -132,10 +132,10 @@ class StepLists:
 
     def _padding(self, shape: StepShape) -> dict[str, int]:
         """What each list's padding entries hold (0 unless listed): harmless finite values that
-        write only scratch places (the scratch slot, the padding row, the runner's scratch row)
+        write only scratch places (the scratch block, the padding row, the runner's scratch row)
         and read the scratch row's block table (the scratch block only) at position 0."""
         pad_row, scratch_row = shape.tokens - 1, self.scratch_row
-        return defaultdict(int, slots=self.cache.scratch_slot, feed_from=-1, sparse_window=1,
+        return defaultdict(int, token_row=scratch_row, feed_from=-1, sparse_window=1,
                            dense_first_row=pad_row, sparse_first_row=pad_row,
                            draft_logit_row=pad_row, check_logit_rows=pad_row,
                            dense_row=scratch_row, sparse_row=scratch_row,
@@ -162,10 +162,11 @@ class StepLists:
         return lists
 
     def _token_lists(self, works: list[Work]) -> dict[str, list]:
-        """input_ids, positions, KV slots of the step's tokens [T]; feed_from: a device draft
-        input's flat index in the draft buffer [rows + 1, k], else -1."""
-        ids, positions, slots, feed_from = [], [], [], []
-        bs, k = self.cache.block_size, self.stride
+        """input_ids, positions and runner rows of the step's tokens [T] (the device finds each
+        token's KV slot in its row's block table); feed_from: a device draft input's flat index in
+        the draft buffer [rows + 1, k], else -1."""
+        ids, positions, rows, feed_from = [], [], [], []
+        k = self.stride
         for w in works:
             seq = w.seq
             pos = range(w.start, w.start + w.num_tokens)
@@ -180,11 +181,10 @@ class StepLists:
                 first_draft = seq.num_verified + 1
                 feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1
                               for p in pos]
-            table = self.cache.pool.tables[seq.seq_id]
             ids += inputs
             positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-        return {"input_ids": ids, "positions": positions, "slots": slots, "feed_from": feed_from}
+            rows += [seq.row] * w.num_tokens
+        return {"input_ids": ids, "positions": positions, "token_row": rows, "feed_from": feed_from}
 
     @staticmethod
     def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:

@@ -21,7 +21,7 @@ def all_blocks(cache):
 def test_shapes():
     cache = make_cache(num_blocks=5, host_blocks=3)
     assert cache.k.shape == cache.v.shape == (L, 6 * BS, N_KV, D)          # + the scratch block of padded steps
-    assert cache.scratch_slot == 5 * BS and cache.scratch_block == 5         # past every block: no request owns it
+    assert cache.scratch_block == 5                                          # past every block: no request owns it
     assert cache.host_k.shape == cache.host_v.shape == (L, 3 * BS, N_KV, D)
     assert cache.free_blocks() == 5
     with pytest.raises(ValueError, match="num_blocks=0"):
