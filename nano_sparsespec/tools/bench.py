@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'model' (the --model) and/or Qwen3 shapes with random weights: "
                         + ",".join(QWEN3_SHAPES))
     p.add_argument("--profile-reps", type=int, default=None,
-                   help="timed repetitions per step (default 3 CPU, 10 GPU)")
+                   help="steps per timed run of each kind, run back to back as the engine "
+                        "runs them; the median of 3 runs counts (default 1 CPU, 10 GPU)")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "
@@ -152,7 +153,7 @@ def _run(args, argv: list[str]) -> int:
     dtype = llm.dtype if llm is not None else DTYPES.get(
         args.dtype or "", torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.profile_reps is None:
-        args.profile_reps = 10 if device.type == "cuda" else 3
+        args.profile_reps = 10 if device.type == "cuda" else 1
 
     peak, peak_source, copy_gbs = peak_bandwidth(device, args.peak_bandwidth)
     result = {"command": "python -m nano_sparsespec.tools.bench " + shlex.join(argv),

@@ -3,7 +3,7 @@ speedup that follows.
 
 Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch`
 requests that each hold `context` cached positions, run through the engine's own `ModelRunner` on
-a KV pool of random K/V), Qwen3 shapes with random weights, and the speedup models: lock-step,
+a KV pool of random K/V, back to back as the engine's loop runs them), Qwen3 shapes with random weights, and the speedup models: lock-step,
 balanced, and the ceiling, `balanced_speedup` over a plain step with one block of context (the part
 of a step that is not attention, which no drafter that runs the model's layers undercuts).
 """
@@ -183,45 +183,57 @@ class StepProfiler:
             self.seqs, list(chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values))
         self.bm = byte_model(model, dtype)
 
-    def _run(self, runner: ModelRunner, n_verify: int, verify_tokens: int,
-             select: bool = False) -> tuple[float, float]:
-        """Time one step in which the first `n_verify` requests verify `verify_tokens` tokens
-        (a plain step: 1 token) and the others draft one token -> (seconds, host seconds: until
-        `launch` returns, the step's lists built and its device work queued; on a GPU the device
-        runs after and beyond that)."""
+    def _steps(self, runner: ModelRunner, n_verify: int, verify_tokens: int, steps: int,
+               select: bool = False) -> tuple[float, float]:
+        """Run `steps` identical steps in which the first `n_verify` requests verify
+        `verify_tokens` tokens (a plain step: 1 token) and the others draft one token, as the
+        engine's delayed-verification loop (and plain decoding's run-ahead loop) runs them: each
+        step is launched before the previous step's results are read -> (seconds per step, host
+        seconds per step spent launching: lists built, device work queued). On a GPU a step's host
+        work overlaps the device work of the step before; on the CPU they add up."""
         works = [Work(seq, "verify", self.context, verify_tokens) if i < n_verify else
                  Work(seq, "draft", self.context, 1) for i, seq in enumerate(self.seqs)]
         for w in works:
             self.cache.append(w.seq.seq_id, w.num_tokens)
             w.seq.num_drafts = w.num_tokens - 1 if w.kind == "verify" else 0
         synchronize(self.device)
-        start = time.perf_counter()
-        result = runner.launch(works)
-        host = time.perf_counter() - start
-        if result.verify_works:
-            result.fetch()
-        # What the engine does next with a verification: pick the next cycle's critical positions.
-        if select:
-            pillar_attn.select_pillar(result.scores, [self.context] * n_verify,
-                                      [self.budget] * n_verify)
+        start, host, previous = time.perf_counter(), 0.0, None
+        for _ in range(steps):
+            launched = time.perf_counter()
+            result = runner.launch(works)
+            host += time.perf_counter() - launched
+            if previous is not None:
+                self._read(previous, n_verify, select)
+            previous = result
+        self._read(previous, n_verify, select)
         synchronize(self.device)
         seconds = time.perf_counter() - start
         for w in works:
             self.cache.rollback(w.seq.seq_id, w.num_tokens)
             w.seq.num_drafts = 0
-        return seconds, host
+        return seconds / steps, host / steps
 
-    def plain(self) -> tuple[float, float]:
-        return self._run(self.plain_runner, self.batch, 1)
+    def _read(self, result, n_verify: int, select: bool) -> None:
+        """What the engine does with a step's results: read its verifications and, with
+        `select`, pick the next cycle's critical positions from their scores."""
+        if result.verify_works:
+            result.fetch()
+        if select:
+            pillar_attn.select_pillar(result.scores, [self.context] * n_verify,
+                                      [self.budget] * n_verify)
 
-    def draft(self) -> tuple[float, float]:
-        return self._run(self.runner, 0, 1)
+    def plain(self, steps: int = 1) -> tuple[float, float]:
+        return self._steps(self.plain_runner, self.batch, 1, steps)
 
-    def verify(self) -> tuple[float, float]:
-        return self._run(self.runner, self.batch, self.k + 1, select=True)
+    def draft(self, steps: int = 1) -> tuple[float, float]:
+        return self._steps(self.runner, 0, 1, steps)
 
-    def mixed(self) -> tuple[float, float]:
-        return self._run(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, select=True)
+    def verify(self, steps: int = 1) -> tuple[float, float]:
+        return self._steps(self.runner, self.batch, self.k + 1, steps, select=True)
+
+    def mixed(self, steps: int = 1) -> tuple[float, float]:
+        return self._steps(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, steps,
+                           select=True)
 
     def step_bytes(self) -> dict:
         b, c = self.batch, self.context
@@ -232,16 +244,16 @@ class StepProfiler:
                 "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1)
                                             + (b - n_verify) * (self.budget + 1))}
 
-    def measure(self, reps: int, warmup: int = 1,
+    def measure(self, reps: int, runs: int = 3,
                 kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
-        """kind -> (median seconds, median host seconds) of `reps` steps."""
+        """kind -> (seconds, host seconds) per step: the median over `runs` runs of `reps` steps
+        each (after one warm-up run)."""
         out = {}
         for kind in kinds:
             fn = getattr(self, kind)
-            for _ in range(warmup):
-                fn()
-            runs = [fn() for _ in range(reps)]
-            out[kind] = tuple(statistics.median(run[i] for run in runs) for i in (0, 1))
+            fn(reps)
+            measured = [fn(reps) for _ in range(runs)]
+            out[kind] = tuple(statistics.median(run[i] for run in measured) for i in (0, 1))
         return out
 
     def plain_breakdown(self, reps: int) -> dict:

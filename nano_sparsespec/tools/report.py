@@ -91,7 +91,9 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
             + " | ".join(f"balanced @ {a} acc." for a in accepted) +
             f" | plain ms at ctx {floor} (host ms) | "
             + " | ".join(f"ceiling @ {a} acc." for a in accepted) + " |")
-    lines = [f"Step profile (k = {stride}; verify includes picking the next critical positions; "
+    lines = [f"Step profile (k = {stride}; ms per step of a run of identical steps, each launched "
+             f"before the previous one's results are read, as the engine runs them; verify "
+             f"includes picking the next critical positions; "
              f"speedup: lock-step, "
              f"k drafts then a verification; mixed: the balanced step, 1 request in {stride + 1} "
              f"verifying, the others "
@@ -100,8 +102,8 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
              f"with plain ms at ctx {floor} for the step, the most a drafter that runs the "
              f"model's layers could gain "
              f"at the shape, as no such step costs less than a plain step with next to nothing "
-             f"to attend to; host ms: until its device work is queued, on a GPU the rest is the "
-             f"device's):", "",
+             f"to attend to; host ms: launching a step (lists built, device work queued), "
+             f"which on a GPU overlaps the device work of the step before):", "",
              head,
              "|" + "---|" * (11 + 3 * len(accepted))]
     for e in profile:
