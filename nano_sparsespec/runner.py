@@ -34,7 +34,7 @@ from .step_result import StepResult, joined_results
 
 # the named device lists of a step (`_lists`) that make up its Readout
 READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position",
-                 "check_logit_rows", "check_row", "check_num_drafts", "check_first_position",
+                 "check_row", "check_num_drafts", "check_first_position",
                  "ngram_drafts")
 
 
@@ -46,7 +46,8 @@ class Readout:
     draft_row: torch.Tensor | None = None             # [Nd] its request's row
     draft_index: torch.Tensor | None = None           # [Nd] the draft buffer column it fills
     draft_position: torch.Tensor | None = None        # [Nd] position it will occupy (its counter)
-    check_logit_rows: torch.Tensor | None = None      # [Bv, M+1] k+1 rows, or prefill's last row
+    check_logit_rows: torch.Tensor | None = None      # [Bv, M+1] m+1 rows (then the last
+                                                      #   again), or prefill's last row
     check_row: torch.Tensor | None = None             # [Bv] its request's row
     check_num_drafts: torch.Tensor | None = None      # [Bv] drafts it checks (0..M)
     check_first_position: torch.Tensor | None = None  # [Bv] position its first logit row decides
@@ -268,6 +269,10 @@ class ModelRunner:
             ctx.sparse = self._sparse_batch(shape, lists, input_ids)
         readout = Readout(**{name: lists.get(name) for name in READOUT_LISTS},
                           draft_flags=dict(shape.draft_flags), check_flags=dict(shape.check_flags))
+        if shape.checks:   # a check's m + 1 rows end at its last; padded with the last one
+            back = (lists["check_num_drafts"][:, None]
+                    - torch.arange(shape.check_drafts + 1, device=self.device)).clamp(min=0)
+            readout.check_logit_rows = lists["check_last_row"][:, None] - back     # [Bv, M+1]
         hidden = self.model(input_ids, positions, ctx)                              # [T, hidden]
         draft_logits, check_logits = self._logits(hidden, readout)
         if readout.draft_row is not None:

@@ -53,23 +53,28 @@ class StepPlan:
     drafts: list[tuple[Work, int]] = field(default_factory=list)   # sample a draft token
     checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications, last chunks
     num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
+    num_tokens: int = 0                                            # T: the step's token rows
 
     @staticmethod
     def of(works: list[Work], method: str) -> "StepPlan":
         plan, row, chunks = StepPlan(works), 0, []
+        drafts_attend = plan.dense if method == "full" else plan.sparse
         for w in works:
-            if w.kind == "prefill":
-                chunks.append((w, row))
-            elif w.kind != "draft" or method == "full":
-                plan.dense.append((w, row))
+            entry = (w, row)
+            if w.kind == "verify":
+                plan.dense.append(entry)
+                plan.checks.append(entry)
+                plan.num_drafts.append(w.num_tokens - 1)
+            elif w.kind == "draft":
+                drafts_attend.append(entry)
+                plan.drafts.append(entry)
             else:
-                plan.sparse.append((w, row))
-            if w.kind == "draft":
-                plan.drafts.append((w, row))
-            if w.kind == "verify" or w.final_prefill:
-                plan.checks.append((w, row))
-                plan.num_drafts.append(w.num_tokens - 1 if w.kind == "verify" else 0)
+                chunks.append(entry)
+                if w.final_prefill:
+                    plan.checks.append(entry)
+                    plan.num_drafts.append(0)
             row += w.num_tokens
+        plan.num_tokens = row
         # prefill chunks attend densely too, last and longest first (`StepLists._dense_runs`)
         plan.dense += sorted(chunks, key=lambda chunk: -chunk[0].num_tokens)
         return plan
@@ -92,14 +97,15 @@ class StepLists:
         # shorter dense requests' padding queries need a padding row (a whole token's work)
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
         def flags(ws):   # SamplingTensors.host_flags of these works' requests, as items
-            return tuple(verifier.SamplingTensors.host_flags([w.seq.params for w, _ in ws]).items())
+            params = {id(w.seq.params): w.seq.params for w, _ in ws}   # (usually one object)
+            return tuple(verifier.SamplingTensors.host_flags(list(params.values())).items())
         context = max((w.start + w.num_tokens for w in dense), default=0)
         pillar = self.spec.method in ("pillar", "pillar-lookup")
         return StepShape(
-            tokens=sum(w.num_tokens for w in plan.works) + has_padding,
+            tokens=plan.num_tokens + has_padding,
             dense_batch=len(dense), dense_queries=q_max,
             dense_blocks=-(-context // self.cache.block_size),
-            scores=pillar and any(w.kind == "verify" or w.final_prefill for w in dense),
+            scores=pillar and bool(plan.checks),      # (checks: verifications, last chunks)
             sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
             selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
             window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),
@@ -137,7 +143,7 @@ class StepLists:
         pad_row, scratch_row = shape.tokens - 1, self.scratch_row
         return defaultdict(int, token_row=scratch_row, feed_from=-1, sparse_window=1,
                            dense_first_row=pad_row, sparse_first_row=pad_row,
-                           draft_logit_row=pad_row, check_logit_rows=pad_row,
+                           draft_logit_row=pad_row, check_last_row=pad_row,
                            dense_row=scratch_row, sparse_row=scratch_row,
                            draft_row=scratch_row, check_row=scratch_row)
 
@@ -164,26 +170,36 @@ class StepLists:
     def _token_lists(self, works: list[Work]) -> dict[str, list]:
         """input_ids, positions and runner rows of the step's tokens [T] (the device finds each
         token's KV slot in its row's block table); feed_from: a device draft input's flat index in
-        the draft buffer [rows + 1, k], else -1."""
+        the draft buffer [rows + 1, k], else -1. Drafts are fed from the device: the draft at
+        position p sits in column p - (num_verified + 1) of its request's row (run-ahead: the
+        verification's next token in column 0)."""
         ids, positions, rows, feed_from = [], [], [], []
-        k = self.stride
+        k, ngram = self.stride, self.spec.method == "ngram"
         for w in works:
-            seq = w.seq
-            pos = range(w.start, w.start + w.num_tokens)
+            seq, start, n = w.seq, w.start, w.num_tokens
+            first_draft = len(seq.tokens)                        # num_verified + 1
             if w.kind == "prefill":
-                inputs = seq.tokens[w.start:w.start + w.num_tokens]
-                feed_from += [-1] * w.num_tokens
-            elif self.spec.method == "ngram":
-                inputs = [seq.tokens[-1]] + seq.ngram_drafts[:w.num_tokens - 1]
-                feed_from += [-1] * w.num_tokens
-            else:  # pending token, then drafts fed from the device (run-ahead: column 0 first)
-                inputs = [seq.tokens[-1]] + [0] * (w.num_tokens - 1)
-                first_draft = seq.num_verified + 1
+                ids += seq.tokens[start:start + n]
+                feed_from += [-1] * n
+            elif n == 1:   # a decode step's or a draft step's one token: most works, kept cheap
+                positions.append(start)
+                rows.append(seq.row)
+                if start < first_draft:                          # the pending token
+                    ids.append(seq.tokens[-1])
+                    feed_from.append(-1)
+                else:
+                    ids.append(0)
+                    feed_from.append(seq.row * k + start - first_draft)
+                continue
+            elif ngram:    # a verification of n-gram drafts (host-side drafts)
+                ids += [seq.tokens[-1]] + seq.ngram_drafts[:n - 1]
+                feed_from += [-1] * n
+            else:          # a verification: the pending token, then its drafts
+                ids += [seq.tokens[-1]] + [0] * (n - 1)
                 feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1
-                              for p in pos]
-            ids += inputs
-            positions += pos
-            rows += [seq.row] * w.num_tokens
+                              for p in range(start, start + n)]
+            positions += range(start, start + n)
+            rows += [seq.row] * n
         return {"input_ids": ids, "positions": positions, "token_row": rows, "feed_from": feed_from}
 
     @staticmethod
@@ -222,16 +238,13 @@ class StepLists:
                 "draft_position": [w.start + 1 for w, _ in drafts]}
 
     def _check_lists(self, plan: StepPlan, with_scores: bool, m_max: int) -> dict[str, list]:
-        """Verifications and last prefill chunks, each with m_max + 1 logit rows (at least its
-        own); with scores, each one's dense batch index."""
+        """Verifications and last prefill chunks: each one's last token row (a verification's
+        m + 1 rows end there; a prefill chunk's last row is its only one); with scores, each
+        one's dense batch index."""
         checks, num_drafts = plan.checks, plan.num_drafts
-        # logit rows: a verification's m + 1 rows (its last repeated up to m_max + 1); a last
-        # prefill chunk's last row (repeated)
-        logit_rows = [list(range(r, r + m + 1)) + [r + m] * (m_max - m) if w.kind == "verify"
-                      else [r + w.num_tokens - 1] * (m_max + 1)
-                      for (w, r), m in zip(checks, num_drafts)]                 # [Bv, M+1]
-        lists = {"check_logit_rows": logit_rows, "check_row": [w.seq.row for w, _ in checks],
-                 "check_num_drafts": num_drafts,
+        # the device takes each check's logit rows back from its last one (`Readout`)
+        lists = {"check_last_row": [r + w.num_tokens - 1 for w, r in checks],
+                 "check_row": [w.seq.row for w, _ in checks], "check_num_drafts": num_drafts,
                  "check_first_position": [w.start + w.num_tokens if w.kind == "prefill"
                                           else w.start + 1 for w, _ in checks]}
         if self.spec.method == "ngram":
