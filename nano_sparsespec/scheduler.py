@@ -45,9 +45,10 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One request: its tokens, its place in the phase clock and its speculation statistics."""
+    """One request: its tokens, its place in the phase clock and its speculation statistics.
+    Compared by identity: two requests with the same tokens are two requests."""
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
@@ -102,7 +103,7 @@ class Sequence:
         return len(self.tokens) - 1
 
 
-@dataclass
+@dataclass(eq=False)
 class Work:
     """One request's share of a step."""
     seq: Sequence
