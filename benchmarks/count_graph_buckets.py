@@ -34,16 +34,16 @@ class BucketCounter(ModelRunner):
         packed = torch.tensor(rows, dtype=torch.long).view(len(rows), 3 + width)
         return packed, (torch.zeros(1, len(rows), 1, 1) if shape.scores else None)
 
-    def set_selections(self, seqs, positions):
-        for seq, p in zip(seqs, positions):
-            self.selection_len[seq.row] = p.shape[-1]
+    def set_selections(self, seqs, positions, widths):
+        for seq, width in zip(seqs, widths):
+            self.selection_len[seq.row] = width
 
-    def set_context_tokens(self, seq):
+    def set_context_tokens(self, seqs):
         pass
 
 
 def first_positions(scores, context, budgets):
-    return [torch.zeros(1, 1, b, dtype=torch.long) for b in budgets]
+    return torch.zeros(len(budgets), 1, 1, max(budgets), dtype=torch.long), list(budgets)
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=8192,
                                  eos_token_id=255)).save_pretrained(path)
-    async_loop.pillar_attn.select_pillar = first_positions
+    async_loop.pillar_attn.top_positions = first_positions
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
               runner_class=BucketCounter, async_verify=policy == "balanced")
     rng = random.Random(0)

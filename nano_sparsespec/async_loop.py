@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from . import ngram, pillar_attn
 from .config import SpecConfig
@@ -276,50 +275,48 @@ class Engine:
             index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
             context = [s.num_verified for s in seqs]
             scores = result.scores[:, index]                    # [L, B, n_kv, Lmax]
-            chosen = pillar_attn.select_pillar(scores, context, [spec.budget(c) for c in context])
+            chosen, widths = pillar_attn.top_positions(scores, context,
+                                                       [spec.budget(c) for c in context])
             if spec.keep_accepted:
-                chosen = self._keep_accepted(result, refresh, chosen)
+                chosen = self._keep_accepted(result, refresh, chosen, widths)
             # in rank order: lookups displace the last ones
-            self.runner.set_selections(seqs, chosen)
+            self.runner.set_selections(seqs, chosen, widths)
             if spec.method == "pillar-lookup":
-                for seq in seqs:
-                    self.runner.set_context_tokens(seq)
-            self._observe_selections(seqs, chosen, scores)
+                self.runner.set_context_tokens(seqs)
+            self._observe_selections(seqs, chosen, widths, scores)
         elif spec.method == "streaming":
-            chosen = [pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
-                                                   spec.sink_tokens, cfg.num_layers,
-                                                   cfg.num_kv_heads, device=self.cache.device)
-                      for seq in seqs]
-            self.runner.set_selections(seqs, chosen)
-            self._observe_selections(seqs, chosen)
+            chosen, widths = pillar_attn.stacked(
+                [pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
+                                              spec.sink_tokens, cfg.num_layers, cfg.num_kv_heads,
+                                              device=self.cache.device) for seq in seqs])
+            self.runner.set_selections(seqs, chosen, widths)
+            self._observe_selections(seqs, chosen, widths)
         elif spec.method == "ngram":
             for seq in seqs:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
     def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
-                       chosen: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`chosen` [L, n_kv, n] per request with the positions its verification just accepted (its
-        pending token's and its accepted drafts') ranked first (`pillar_attn.keep_first`)."""
+                       chosen: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """`chosen` [B, L, n_kv, N] (request b's first widths[b]) with the positions each
+        verification just accepted (its pending token's and its accepted drafts') ranked first
+        (`pillar_attn.keep_first`)."""
         spans = [range(w.start, seq.num_verified) if w.kind == "verify" else range(0)
                  for w, seq in ((result.verify_works[i], seq) for i, seq in refresh)]
-        M, widths = max(len(s) for s in spans), [c.shape[-1] for c in chosen]
+        M, device = max(len(s) for s in spans), self.cache.device
         if M == 0:
             return chosen
-        N, device = max(widths), self.cache.device
-        padded = torch.stack([F.pad(c, (0, N - c.shape[-1])) for c in chosen])  # [B, L, n_kv, N]
         keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
         valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool,
                           device)
-        merged = pillar_attn.keep_first(padded, to_device(widths, torch.long, device), keep, valid)
-        return [merged[b, ..., :w] for b, w in enumerate(widths)]
+        return pillar_attn.keep_first(chosen, to_device(widths, torch.long, device), keep, valid)
 
-    def _observe_selections(self, seqs: list[Sequence], chosen: list[torch.Tensor],
+    def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
                             scores: torch.Tensor | None = None) -> None:
-        """Hand each refreshed selection to `Observers.on_selection` (scores cut to the request's
-        context)."""
+        """Hand each refreshed selection [L, n_kv, width] to `Observers.on_selection` (scores cut
+        to the request's context)."""
         if self.observers.on_selection is None:
             return
-        for b, (seq, positions) in enumerate(zip(seqs, chosen)):
+        for b, (seq, width) in enumerate(zip(seqs, widths)):
             seq_scores = None if scores is None else scores[:, b, :, :seq.num_verified]
-            self.observers.on_selection(seq, seq_scores, positions)
+            self.observers.on_selection(seq, seq_scores, chosen[b, ..., :width])

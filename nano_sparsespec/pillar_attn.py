@@ -12,8 +12,9 @@ verification picks again.
 Owns
   * the scores: `attention_logits` / `attention_probs` (explicit float32, grouped by KV head),
     `weighted_scores` and `pillar_scores`;
-  * the selection policies: `select_pillar` (top-B of the scores; B = `SpecConfig.budget`) and
-    `select_streaming` (StreamingLLM: sinks + most recent, the baseline);
+  * the selection policies: `select_pillar` (top-B of the scores; B = `SpecConfig.budget`; for a
+    whole batch at once `top_positions`) and `select_streaming` (StreamingLLM: sinks + most
+    recent, the baseline); `stacked` batches per-request selections;
   * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first`.
 The first cycle after prefill has no verification yet: its scores come from the prompt's last row.
 
@@ -22,6 +23,7 @@ Must not know about scheduling, sampling or the KV cache's layout.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .device import to_device
 
@@ -66,19 +68,37 @@ def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tenso
 
     scores: [L, B, n_kv, Lmax]; context_len: B ints, the positions that stay in the cache (later
     columns are rejected drafts or padding); budget: B ints -> per request
-    [L, n_kv, min(B_b, len_b)].
+    [L, n_kv, min(B_b, len_b)] (`top_positions`, request by request)."""
+    positions, widths = top_positions(scores, context_len, budget)
+    return [positions[b, ..., :w] for b, w in enumerate(widths)]
+
+
+def top_positions(scores: torch.Tensor, context_len, budget) -> tuple[torch.Tensor, list[int]]:
+    """`select_pillar` for the whole batch at once: arguments as there -> (positions
+    [B, L, n_kv, N] best first, position 0 past each request's own, and the widths
+    min(B_b, len_b), B ints; N the largest).
     Ties break towards the lower position, so the selection is deterministic: one top-k over int64
     keys, a score's float32 bits above (a non-negative float's bits order like its value) and its
     position's complement below. The counts are host ints: nothing here waits for the device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
-    Lmax = scores.shape[-1]
-    columns = torch.arange(Lmax, device=scores.device)
+    Lmax, device = scores.shape[-1], scores.device
+    widths = [min(b, c) for b, c in zip(budget, context)]
+    columns = torch.arange(Lmax, device=device)
     # [B, Lmax]
-    in_context = columns[None, :] < to_device(context, torch.long, scores.device)[:, None]
+    in_context = columns[None, :] < to_device(context, torch.long, device)[:, None]
     masked = scores.float().masked_fill(~in_context[None, :, None, :], float("-inf"))
     keys = (masked.view(torch.int32).long() << 32) | (0xFFFFFFFF - columns)    # [L, B, n_kv, Lmax]
-    order = keys.topk(min(max(budget), Lmax), dim=-1).indices                   # [L, B, n_kv, k]
-    return [order[:, b, :, :min(budget[b], context[b])] for b in range(len(context))]
+    N = max(widths)
+    order = keys.topk(N, dim=-1).indices.transpose(0, 1)                       # [B, L, n_kv, N]
+    real = columns[:N][None, :] < to_device(widths, torch.long, device)[:, None]  # [B, N]
+    return torch.where(real[:, None, None, :], order, 0), widths
+
+
+def stacked(selections: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Per-request selections [L, n_kv, n_b] -> (positions [B, L, n_kv, max n_b], position 0 past
+    each request's own; widths n_b), as `top_positions` returns them."""
+    widths = [s.shape[-1] for s in selections]
+    return torch.stack([F.pad(s, (0, max(widths) - w)) for s, w in zip(selections, widths)]), widths
 
 
 def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers: int,
@@ -100,7 +120,7 @@ def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: tor
     """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
     budget: those `extra` does not hold, the lowest-ranked making room.
 
-    selection: [B, L, n_kv, N] positions best first (as `select_pillar` returns them), the first
+    selection: [B, L, n_kv, N] positions best first (as `top_positions` returns them), the first
     selection_len [B] of them real; extra, extra_valid: [B, M] -> keep [B, L, n_kv, N] bool."""
     N = selection.shape[-1]
     held = ((selection[..., None] == extra[:, None, None, None, :])

@@ -127,21 +127,21 @@ class ModelRunner:
 
     # --- critical positions ------------------------------------------------------------------
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
-    def set_selections(self, seqs: list[Sequence], positions: list[torch.Tensor]) -> None:
-        """Store each request's critical positions [L, n_kv, n]; copy their K/V to its drafts'."""
-        widths = [p.shape[-1] for p in positions]
-        n = max(widths)
+    def set_selections(self, seqs: list[Sequence], positions: torch.Tensor,
+                       widths: list[int]) -> None:
+        """Store each request's critical positions, positions[b, :, :, :widths[b]] of
+        [B, L, n_kv, n] (`pillar_attn.top_positions`); copy their K/V to its drafts'."""
+        n = positions.shape[-1]
         # room for the longest context's budget: growing budgets do not widen again
         cap = self.model.config.max_position_embeddings
         longest = max(min(cap, s.final_length) for s in seqs)
         columns = max(n, self.spec.budget(longest))
         self.selection_room = max(self.selection_room, columns if self.graphs is None else
                                   round_up(columns, self.graphs.width_step))
-        padded = torch.stack([F.pad(p, (0, n - p.shape[-1])) for p in positions])
         rows = self._dev([s.row for s in seqs])
         if self.lookups:
             self.selection = self._widen(self.selection, self.selection_room)
-            self.selection[rows, :, :, :n] = padded                         # [B, L, n_kv, n]
+            self.selection[rows, :, :, :n] = positions                      # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
         self._widen_draft_buffers(self.selection_room)
@@ -149,7 +149,7 @@ class ModelRunner:
         tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
         width = max(len(t) for t in tables)
         block_table = self._dev([t + [t[0]] * (width - len(t)) for t in tables])   # [B, blocks]
-        self._fill_draft_buffers(block_table, padded, rows,
+        self._fill_draft_buffers(block_table, positions, rows,
                                  torch.arange(n, device=self.device).expand(len(seqs), -1))
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
@@ -159,15 +159,23 @@ class ModelRunner:
                                      block_table, self.cache.block_size, positions, rows, columns)
 
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
-    def set_context_tokens(self, seq: Sequence) -> None:
-        """Mirror `seq`'s committed tokens not sent yet into its row of `context_tokens`."""
-        owner, sent = self.tokens_sent[seq.row]
-        sent = sent if owner == seq.seq_id else 0
-        n = len(seq.tokens)
-        self.context_tokens = self._widen(self.context_tokens, n)
-        if n > sent:
-            self.context_tokens[seq.row, sent:n] = self._dev(seq.tokens[sent:n])
-        self.tokens_sent[seq.row] = (seq.seq_id, n)
+    def set_context_tokens(self, seqs: list[Sequence]) -> None:
+        """Mirror the committed tokens of `seqs` not sent yet into their rows of `context_tokens`,
+        in one copy."""
+        rows, columns, tokens = [], [], []
+        for seq in seqs:
+            owner, sent = self.tokens_sent[seq.row]
+            sent = sent if owner == seq.seq_id else 0
+            n = len(seq.tokens)
+            rows += [seq.row] * (n - sent)
+            columns += range(sent, n)
+            tokens += seq.tokens[sent:n]
+            self.tokens_sent[seq.row] = (seq.seq_id, n)
+        if not tokens:
+            return
+        self.context_tokens = self._widen(self.context_tokens, max(columns) + 1)
+        new = Packed({"rows": rows, "columns": columns, "tokens": tokens}, self.device).views()
+        self.context_tokens[new["rows"], new["columns"]] = new["tokens"]
 
     # --- the step's shape and lists ----------------------------------------------------------
     def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:

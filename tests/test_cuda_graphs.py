@@ -188,9 +188,9 @@ def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkey
         dropped.append(len(self.steps))
         forget(self)
 
-    def noted_selections(self, seqs, positions):
-        budgets.update(p.shape[-1] for p in positions)
-        set_selections(self, seqs, positions)
+    def noted_selections(self, seqs, positions, widths):
+        budgets.update(widths)
+        set_selections(self, seqs, positions, widths)
 
     monkeypatch.setattr(StepGraphs, "forget", counted_forget)
     monkeypatch.setattr(ModelRunner, "set_selections", noted_selections)

@@ -180,7 +180,8 @@ class StepProfiler:
                             device=device)
         # critical positions: `budget` distinct random positions per (request, layer, KV head)
         self.runner.set_selections(
-            self.seqs, list(chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values))
+            self.seqs, chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values,
+            [self.budget] * batch)
         self.bm = byte_model(model, dtype)
 
     def _steps(self, runner: ModelRunner, n_verify: int, verify_tokens: int, steps: int,
@@ -219,7 +220,7 @@ class StepProfiler:
         if result.verify_works:
             result.fetch()
         if select:
-            pillar_attn.select_pillar(result.scores, [self.context] * n_verify,
+            pillar_attn.top_positions(result.scores, [self.context] * n_verify,
                                       [self.budget] * n_verify)
 
     def plain(self, steps: int = 1) -> tuple[float, float]:
