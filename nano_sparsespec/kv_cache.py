@@ -39,7 +39,9 @@ class BlockPool:
             raise KVCacheFull(f"{self.name} KV pool exhausted: request {seq_id} needs {need} more "
                               f"block(s) of {self.block_size} tokens, "
                               f"{len(self.free)} of {self.num_blocks} free")
-        self.tables.setdefault(seq_id, []).extend(self.free.popleft() for _ in range(need))
+        table = self.tables.setdefault(seq_id, [])
+        if need:
+            table.extend(self.free.popleft() for _ in range(need))
         self.lengths[seq_id] = self.lengths.get(seq_id, 0) + extra_tokens
 
     def shrink(self, seq_id: int, n_tokens: int) -> None:
@@ -51,8 +53,9 @@ class BlockPool:
         self.lengths[seq_id] = length - n_tokens
         keep = -(-self.lengths[seq_id] // self.block_size)
         table = self.tables[seq_id]
-        self.free.extend(table[keep:])
-        del table[keep:]
+        if keep < len(table):
+            self.free.extend(table[keep:])
+            del table[keep:]
 
     def release(self, seq_id: int) -> list[int]:
         """Forget `seq_id` and return its blocks (in order) to the free list."""

@@ -260,6 +260,11 @@ class Scheduler:
         return works
 
     def _fits(self, works: list[Work]) -> bool:
+        # a work of n tokens takes at most ceil(n / block) + 1 new blocks: with that many free,
+        # the step fits without counting
+        per_work = -(-max((w.num_tokens for w in works), default=0) // self.cache.block_size) + 1
+        if len(works) * per_work <= self.cache.free_blocks():
+            return True
         new = [max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)) for w in works]
         need = sum(self.cache.blocks_needed(w.seq.seq_id, n) for w, n in zip(works, new))
         return need <= self.cache.free_blocks()
