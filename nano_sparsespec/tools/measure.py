@@ -2,10 +2,11 @@
 
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
 position it attends to), `PeakMemory`, the device's copy bandwidth and the roofline peak, and the
-machine and git state a result records.
+machine and git state a result records; `time_split`, where a forward's time goes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import gc
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..model import CausalLM
 
@@ -200,3 +202,42 @@ def git_state() -> dict | None:
     return {"commit": commit, "package_dirty": bool(dirty)}
 
 
+@contextlib.contextmanager
+def time_split(model: CausalLM, device: torch.device):
+    """Seconds spent in the decoder's linear layers, in its attention modules besides their linear
+    layers (attention, RoPE, q/k norms) and in its whole forward, measured with forward hooks; each
+    timed call is bracketed by synchronisations (on a GPU a small distortion)."""
+    totals = {"linear": 0.0, "attention_module": 0.0, "attention_linear": 0.0, "forward": 0.0}
+    started: dict[int, float] = {}
+    attention_linears = {id(m) for layer in model.layers
+                         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)}
+
+    def before(module, args):
+        synchronize(device)
+        started[id(module)] = time.perf_counter()
+
+    def after(kinds):
+        def hook(module, args, output):
+            synchronize(device)
+            seconds = time.perf_counter() - started.pop(id(module))
+            for kind in kinds(module):
+                totals[kind] += seconds
+        return hook
+
+    handles = []
+    for m in model.layers.modules():
+        if isinstance(m, nn.Linear):
+            kinds = (lambda mod: ("linear", "attention_linear")
+                     if id(mod) in attention_linears else ("linear",))
+        elif m.__class__.__name__ == "Attention":
+            kinds = (lambda mod: ("attention_module",))
+        else:
+            continue
+        handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after(kinds))]
+    handles += [model.register_forward_pre_hook(before),
+                model.register_forward_hook(after(lambda mod: ("forward",)))]
+    try:
+        yield totals
+    finally:
+        for h in handles:
+            h.remove()

@@ -9,7 +9,6 @@ of a step that is not attention, which no drafter that runs the model's layers u
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import statistics
 import sys
@@ -17,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from .. import pillar_attn
 from ..config import ModelConfig, SamplingParams, SpecConfig
@@ -26,7 +24,7 @@ from ..llm import LLM
 from ..model import CausalLM, RotaryEmbedding
 from ..runner import ModelRunner
 from ..scheduler import Sequence, Status, Work
-from .measure import byte_model, model_label, synchronize
+from .measure import byte_model, model_label, synchronize, time_split
 
 # Qwen3 shapes for the step profile (random weights; no files): the fields that differ.
 QWEN3_SHAPES = {
@@ -94,47 +92,6 @@ def memory_available(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30
-
-
-@contextlib.contextmanager
-def time_split(model: CausalLM, device: torch.device):
-    """Seconds spent in the decoder's linear layers, in its attention modules besides their linear
-    layers (attention, RoPE, q/k norms) and in its whole forward, measured with forward hooks; each
-    timed call is bracketed by synchronisations (on a GPU a small distortion)."""
-    totals = {"linear": 0.0, "attention_module": 0.0, "attention_linear": 0.0, "forward": 0.0}
-    started: dict[int, float] = {}
-    attention_linears = {id(m) for layer in model.layers
-                         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)}
-
-    def before(module, args):
-        synchronize(device)
-        started[id(module)] = time.perf_counter()
-
-    def after(kinds):
-        def hook(module, args, output):
-            synchronize(device)
-            seconds = time.perf_counter() - started.pop(id(module))
-            for kind in kinds(module):
-                totals[kind] += seconds
-        return hook
-
-    handles = []
-    for m in model.layers.modules():
-        if isinstance(m, nn.Linear):
-            kinds = (lambda mod: ("linear", "attention_linear")
-                     if id(mod) in attention_linears else ("linear",))
-        elif m.__class__.__name__ == "Attention":
-            kinds = (lambda mod: ("attention_module",))
-        else:
-            continue
-        handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after(kinds))]
-    handles += [model.register_forward_pre_hook(before),
-                model.register_forward_hook(after(lambda mod: ("forward",)))]
-    try:
-        yield totals
-    finally:
-        for h in handles:
-            h.remove()
 
 
 class StepProfiler:
