@@ -240,8 +240,10 @@ class LLM:
                 on_commit(seq, tokens, accepted)
 
         try:
-            self.last_stats = engine.run(Observers(step if progress else on_step, commit,
-                                                   on_selection))
+            # (a commit is observed only if someone looks: one call per request per step)
+            self.last_stats = engine.run(Observers(
+                step if progress else on_step,
+                commit if progress or on_commit is not None else None, on_selection))
             settle()
             bar.update(max(0, bar.total - bar.n))
         finally:
