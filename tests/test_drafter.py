@@ -168,9 +168,9 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
     set_selections, kept_beside_lookups = ModelRunner.set_selections, lookup.kept_beside_lookups
 
-    def noted_selections(self, seqs, positions, widths):
+    def noted_selections(self, seqs, positions, widths):                   # row -> [L, n_kv, n]
         selections.update({seq.row: positions[b, ..., :w] for b, (seq, w) in enumerate(zip(seqs, widths))})
-        return set_selections(self, seqs, positions, widths)                         # row -> [L, n_kv, n]
+        return set_selections(self, seqs, positions, widths)
 
     def noted_lists(self, sparse):
         drafting[:] = [(w.seq, w.seq.num_drafts) for w, _ in sparse]
