@@ -14,16 +14,18 @@ import tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nano_sparsespec import LLM, SamplingParams, async_loop
+from nano_sparsespec import LLM, SamplingParams, async_loop, kernels
 from nano_sparsespec.runner import ModelRunner
 
 
 class BucketCounter(ModelRunner):
     """A runner whose device step only notes its bucket and makes up plausible results."""
     rng = random.Random(0)
+    recorded = set()
 
     def _run(self, plan, shape, static):
         self.graphs.steps[shape] = None                       # "recorded"
+        self.recorded.add(shape)
         width = max(plan.num_drafts, default=0)
         rows = []
         for drafts in plan.num_drafts:
@@ -40,6 +42,9 @@ class BucketCounter(ModelRunner):
 
     def set_context_tokens(self, seqs):
         pass
+
+
+BLOCK_SIZE = 64          # the KV block size of the bench rows
 
 
 def first_positions(scores, context, budgets):
@@ -63,7 +68,21 @@ def main() -> None:
     llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),
                  prompt_token_ids=prompts)
     print(f"{method} {policy}, batch {batch}, {requests} requests x {tokens} tokens: "
-          f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps")
+          f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
+          f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel "
+          f"(a compilation each)")
+
+
+def paged_kernel_shapes(buckets) -> set:
+    """The shapes torch.compile specialises the paged kernel on (`kernels.paged_prepare`):
+    requests, query rows, chunks of the context, scored or not."""
+    chunk = kernels.PAGED_CHUNK // BLOCK_SIZE
+    shapes = set()
+    for b in buckets:
+        if b.dense_batch and not b.dense_runs:
+            needed = -(-b.dense_blocks // chunk)
+            shapes.add((b.dense_batch, b.dense_queries, 1 << (needed - 1).bit_length(), b.scores))
+    return shapes
 
 
 if __name__ == "__main__":

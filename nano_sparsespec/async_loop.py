@@ -170,7 +170,8 @@ class Engine:
             waiting = any(s.status == Status.RUNNING for s in self.scheduler.running)
             if not works and in_flight is None and not waiting:
                 raise RuntimeError("scheduler made no progress: no request could be scheduled")
-            launched = self.runner.launch(works) if works else None
+            launched = (self.runner.launch(works, self.scheduler.batch_growth()) if works
+                        else None)
             if launched is not None:
                 self._record_step(step, works, scheduled)
             # delayed verification: step t-1 is processed while step t runs

@@ -140,13 +140,22 @@ class StaticStep:
 BATCH_FIELDS = ("tokens", "dense_batch", "sparse_batch", "drafts", "checks")
 
 
-def covers(recorded, wanted) -> bool:
+# a bucket with at most this many requests of each kind serves any smaller step: at that size a
+# step costs about the same whatever its batch (weights and launches), and a run's tail records
+# one bucket, not one per doubling
+SMALL_BATCH = 64
+
+
+def covers(recorded, wanted, most=None) -> bool:
     """Whether a step rounded to bucket `wanted` can replay bucket `recorded`: the same shape but
-    for its batch sizes, each at least the step's and at most twice it (`tokens` follows)."""
+    for its batch sizes, each at least the step's and at most twice it (or `SMALL_BATCH`), or at
+    most bucket `most`'s (`tokens` follows)."""
     if any(getattr(recorded, f.name) != getattr(wanted, f.name) for f in fields(wanted)
            if f.name not in BATCH_FIELDS):
         return False
-    return all(getattr(wanted, name) <= getattr(recorded, name) <= 2 * getattr(wanted, name)
+    return all(getattr(wanted, name) <= getattr(recorded, name)
+               <= (max(2 * getattr(wanted, name), SMALL_BATCH) if most is None
+                   else getattr(most, name))
                for name in BATCH_FIELDS[1:])
 
 
@@ -175,20 +184,36 @@ class StepGraphs:
         self._pool = None
         self.record_seconds = 0.0            # wall time spent recording graphs (once, at start-up)
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
+        self.on_record: Callable | None = None   # on_record(bucket) before a bucket is recorded
 
-    def bucket(self, shape):
+    def bucket(self, shape, growth: float = 1.0):
         """The bucket a step is padded to: its own (`rounded`), or a recorded one that covers it
-        with at most twice its requests of each kind (`covers`). Growing and shrinking batches
-        (a run's start and its tail) then record one bucket per doubling, not one per size."""
+        with at most twice its requests of each kind, or at most `SMALL_BATCH` (`covers`): a
+        shrinking batch (a run's tail) records one bucket per doubling down to that size, not
+        one per size. A growing batch (a run's start:
+        `growth` times as many requests will decode once the prefilling and waiting ones are
+        in) is padded up to the batch ahead (`ahead`): a few steps padded, where each size on
+        the way would record a graph and compile its kernels."""
         own = self.rounded(shape)
         if own in self.steps or own.dense_runs:
             return own
+        if growth >= 1.25:
+            most = self.ahead(shape, own, growth)
+            covering = [b for b in self.steps if covers(b, own, most)]
+            return min(covering, key=lambda b: b.tokens) if covering else most
         if own not in self.served:                     # looked up once per bucket
             covering = [b for b in self.steps if covers(b, own)]
             if not covering:
                 return own
             self.served[own] = min(covering, key=lambda b: b.tokens)
         return self.served[own]
+
+    def ahead(self, shape, own, growth: float):
+        """Bucket `own` (of step `shape`) with the step's requests of each kind times `growth`."""
+        sizes = {name: max(batch_bucket(math.ceil(getattr(shape, name) * growth)),
+                           getattr(own, name)) for name in BATCH_FIELDS[1:]}
+        return replace(own, tokens=sizes["dense_batch"] * own.dense_queries
+                       + sizes["sparse_batch"] + 1, **sizes)
 
     def rounded(self, shape):
         """The runner's `StepShape` of a step rounded up to its own bucket.
@@ -233,6 +258,10 @@ class StepGraphs:
                        drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks),
                        check_drafts=check_drafts)
 
+    def context(self, bucket) -> int:
+        """The context length a bucket serves (dense or lookup context, whichever is longer)."""
+        return max(bucket.dense_blocks * self.block_size, bucket.lookup_context)
+
     def memory_pool(self):
         """One memory pool for all these graphs: steps replay one at a time, so they share it."""
         if self._pool is None:
@@ -246,6 +275,8 @@ class StepGraphs:
         valid until the next replay."""
         step = self.steps.get(shape)
         if step is None:
+            if self.on_record is not None:
+                self.on_record(shape)
             step = self.steps[shape] = StaticStep(shape, packed, names, self)
         return step.run(packed, names)
 

@@ -11,7 +11,8 @@ Owns
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
     chunks that are merged by their log-sum-exps), and `column_scores`: a verification's
     PillarAttn scores as a second flex_attention pass with queries and keys swapped, from the
-    rows' log-sum-exps (the probabilities are never in memory).
+    rows' log-sum-exps (the probabilities are never in memory). `paged_dense` runs three pieces,
+    each compiled as a whole graph (no graph break: a break's resume function recompiles);
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
 
@@ -78,24 +79,28 @@ def compile_kernels(paged: bool = False) -> None:
     kernels["sparse"] = torch.compile(attention.sparse_drafts, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        kernels.update(paged=_compiled_paged_dense(), prepare=paged_prepare)
+        _paged.update(attend=_static_but_token_rows(paged_attend, 2),
+                      score_inputs=_static_but_token_rows(score_inputs, 1),
+                      score_pass=torch.compile(score_pass, dynamic=False))
+        kernels.update(paged=paged_dense, prepare=paged_prepare)
 
 
-def _compiled_paged_dense():
-    """`paged_dense` compiled for static shapes but the step's token rows T (of `out` and `q`),
-    which also count a step's sparse drafts: compiled once per T it would recompile for every
-    draft count."""
-    compiled = torch.compile(paged_dense, dynamic=False)
+def _static_but_token_rows(fn, token_args: int):
+    """`fn` compiled for static shapes but the step's token rows T (dim 0 of its first
+    `token_args` arguments: `out`, `q`), which also count a step's sparse drafts: compiled once
+    per T it would recompile for every draft count."""
+    compiled = torch.compile(fn, dynamic=False)
 
-    def paged(out, q, *rest):
-        torch._dynamo.maybe_mark_dynamic(out, 0)
-        torch._dynamo.maybe_mark_dynamic(q, 0)
-        compiled(out, q, *rest)
-    return paged
+    def run(*args):
+        for t in args[:token_args]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*args)
+    return run
 
 
 def use_eager_kernels() -> None:
     attention._kernels.update(attention.EAGER_KERNELS)
+    _paged.update(PAGED_PIECES)
 
 
 def use_paged_reference() -> None:
@@ -103,6 +108,7 @@ def use_paged_reference() -> None:
     tiny pools only), so the CPU tests check the block mask that the compiled GPU kernel relies
     on."""
     attention._kernels.update(paged=paged_dense, prepare=paged_prepare)
+    _paged.update(PAGED_PIECES)
 
 
 def paged_prepare(ctx: AttentionContext, group: int) -> None:
@@ -190,21 +196,36 @@ def paged_dense(out, q, q_index, k_layer, v_layer, block_mask, scores=None, bloc
     With `scores` [Bd, n_kv, Lmax], also the PillarAttn scores of the rows score_weight [Bd, Qmax]
     weighs (`column_scores` over the keys of block_table [Bd, Lmax / block]; row q of request b
     sits at position q_start[b] + q).
-    One function, so that compiled, the queries' gather and the output's scatter fuse with the
-    kernel's packing and the merge of the chunks."""
+    Three pieces (`_paged`), each one graph when compiled: the attention, the score pass's inputs,
+    the score pass (its score_mod reads a tensor that must come into its graph from outside)."""
+    lse = _paged["attend"](out, q, q_index, k_layer, v_layer, block_mask, scores is not None)
+    if scores is not None:
+        block_size = scores.shape[-1] // block_table.shape[1]
+        keys, rows, shift = _paged["score_inputs"](q, q_index, k_layer, block_table, block_size,
+                                                   score_weight, lse)
+        _paged["score_pass"](scores, keys, rows, shift, q_start, q_index.shape[1])
+
+
+def paged_attend(out, q, q_index, k_layer, v_layer, block_mask, with_lse: bool):
+    """out[q_index] = paged attention of q[q_index]; returns the packed rows' log-sum-exps
+    [Bd, n_kv, G*Qmax] with `with_lse`, else None. One function, so that compiled, the queries'
+    gather and the output's scatter fuse with the kernel's packing and the merge of the chunks."""
     queries = q[q_index]                                                   # [Bd, Qmax, n_heads, D]
-    if scores is None:
-        attended = paged_attention(queries, k_layer, v_layer, block_mask)
-        out[q_index.flatten()] = attended.flatten(0, 1)
-        return
-    attended, lse = paged_attention(queries, k_layer, v_layer, block_mask, with_lse=True)
+    if not with_lse:
+        attended, lse = paged_attention(queries, k_layer, v_layer, block_mask), None
+    else:
+        attended, lse = paged_attention(queries, k_layer, v_layer, block_mask, with_lse=True)
     out[q_index.flatten()] = attended.flatten(0, 1)
-    (Bd, nb), (_, n_kv, D) = block_table.shape, k_layer.shape
-    L = scores.shape[-1]
-    # [Bd, n_kv, L, D]: the keys head-major, gathered in one pass
-    keys = (k_layer.view(-1, L // nb, n_kv, D)[block_table].permute(0, 3, 1, 2, 4)
-            .reshape(Bd, n_kv, L, D))
-    scores.copy_(column_scores(queries, keys, q_start, score_weight, lse))
+    return lse
+
+
+def score_inputs(q, q_index, k_layer, block_table, block_size: int, score_weight, lse):
+    """What the score pass reads: the requests' keys head-major [Bd, n_kv, Lmax, D] (block_table
+    [Bd, Lmax / block_size] gathered from the pool in one pass), and `score_rows`."""
+    n_kv, D = k_layer.shape[1:]
+    keys = (k_layer.view(-1, block_size, n_kv, D)[block_table].permute(0, 3, 1, 2, 4)
+            .flatten(2, 3))
+    return (keys, *score_rows(q[q_index], score_weight, lse, n_kv))
 
 
 def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
@@ -252,20 +273,34 @@ def column_scores(q, keys, q_start, score_weight, lse):
     score for row r minus (lse_r - log(weight_r / G)) is log(weight_r / G * p_r(position)), so the
     pass's log-sum-exp is the log of the position's score: the keys are read once, and nothing of
     size rows x positions is written."""
-    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+    B, n_kv, L = keys.shape[:3]
+    scores = torch.empty(B, n_kv, L, dtype=torch.float32, device=keys.device)
+    score_pass(scores, keys, *score_rows(q, score_weight, lse, n_kv), q_start, q.shape[1])
+    return scores
 
+
+def score_rows(q, score_weight, lse, n_kv: int):
+    """The score pass's keys and shifts: q [B, Q, n_heads, D] packed per KV head and padded to
+    whole key blocks -> rows [B, n_kv, R, D]; each row's shift lse - log(weight / G), +inf for a
+    row of weight 0 (padding, unscored), which then drops out -> shift [B, n_kv, R] float32."""
     B, Q, H, D = q.shape
-    n_kv, L = keys.shape[1:3]
     G = H // n_kv
     R = -(-G * Q // SCORE_ROWS) * SCORE_ROWS     # rows padded to whole key blocks: the kernel
     pad = (0, R - G * Q)                          #   reads score_mod's tensor over whole blocks
     rows = F.pad(pack_groups(q, n_kv), (0, 0) + pad)                        # [B, n_kv, R, D]
     weight = F.pad(score_weight.float().repeat(1, G), pad)[:, None, :] / G  # [B, 1, R]
-    # rows that do not count (weight 0: padding, unscored) drop out: shift +inf
-    shift = torch.where(weight > 0, F.pad(lse, pad) - weight.log(), float("inf"))  # [B, n_kv, R]
-    # compiled, a tensor that score_mod reads must come into the graph from outside (torch 2.11's
-    # flex_attention lowering cannot index one computed in the same graph)
-    torch._dynamo.graph_break()
+    shift = torch.where(weight > 0, F.pad(lse, pad) - weight.log(), float("inf"))
+    return rows, shift
+
+
+def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
+    """scores [B, n_kv, L] = exp of the log-sum-exp over rows [B, n_kv, R, D] of each key's
+    (keys [B, n_kv, L, D]) score minus the row's shift [B, n_kv, R], row r (query row r % Q)
+    seen by the positions up to q_start[b] + r % Q (`column_scores`)."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+    B, n_kv, L, D = keys.shape
+    R = rows.shape[2]
 
     def minus_shift(score, b, h, position, row):
         return score - shift[b, h, row]
@@ -276,11 +311,16 @@ def column_scores(q, keys, q_start, score_weight, lse):
     tiles, row_blocks = -(-L // SCORE_TILE), R // SCORE_ROWS
     # every tile of positions sees every block of rows, through `seen_by`
     block_mask = BlockMask.from_kv_blocks(
-        torch.full((B, 1, tiles), row_blocks, dtype=torch.int32, device=q.device),
-        torch.arange(row_blocks, dtype=torch.int32, device=q.device).repeat(B, 1, tiles, 1),
+        torch.full((B, 1, tiles), row_blocks, dtype=torch.int32, device=keys.device),
+        torch.arange(row_blocks, dtype=torch.int32, device=keys.device).repeat(B, 1, tiles, 1),
         BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R))
     values = rows.new_zeros(B, n_kv, R, SCORE_VALUE_DIM)
     _, aux = flex_attention(keys, rows, values, score_mod=minus_shift, block_mask=block_mask,
                             scale=D ** -0.5, return_aux=AuxRequest(lse=True),
                             kernel_options=SCORE_KERNEL_OPTIONS)
-    return aux.lse.float().exp()                                           # [B, n_kv, L]
+    scores.copy_(aux.lse.float().exp())
+
+
+# the pieces of `paged_dense`, uncompiled; `compile_kernels(paged=True)` swaps in compiled ones
+PAGED_PIECES = {"attend": paged_attend, "score_inputs": score_inputs, "score_pass": score_pass}
+_paged = dict(PAGED_PIECES)

@@ -228,17 +228,29 @@ class LLM:
 
         def step(event: StepEvent) -> None:
             settle()
-            if event.graph_record_seconds:
+            if event.graphs_recorded:
                 bar.set_postfix_str(f"{event.graphs_recorded} CUDA graphs recorded in "
                                     f"{event.graph_record_seconds:.0f} s", refresh=False)
             if on_step is not None:
                 on_step(event)
+
+        graphs = engine.runner.graphs
+        longest = max((s.num_prompt + most[s.seq_id] for s in unsettled), default=0)
+
+        def recording(bucket) -> None:
+            """Say which graph is being recorded (kernels compile for a new shape meanwhile)
+            and how far the contexts are prepared: buckets are recorded as contexts grow."""
+            bar.set_postfix_str(f"recording CUDA graph {len(graphs.steps) + 1}: batch "
+                                f"{bucket.dense_batch + bucket.sparse_batch}, context "
+                                f"{min(graphs.context(bucket), longest):,} of {longest:,}")
 
         def commit(seq: Sequence, tokens: list[int], accepted: int) -> None:
             bar.update(len(tokens))
             if on_commit is not None:
                 on_commit(seq, tokens, accepted)
 
+        if progress and graphs is not None:
+            graphs.on_record = recording
         try:
             # (a commit is observed only if someone looks: one call per request per step)
             self.last_stats = engine.run(Observers(

@@ -206,8 +206,9 @@ class ModelRunner:
 
     # --- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, works: list[Work]) -> StepResult:
+    def launch(self, works: list[Work], growth: float = 1.0) -> StepResult:
         """Queue the step's device work; its results stay on the device (`StepResult.fetch`).
+        `growth`: how many times as many requests will decode soon (`StepGraphs.bucket`).
         With CUDA graphs its prefill chunks run as a static step of their own (mixed in, they
         would send the whole step down the eager path)."""
         parts = [works] if self.graphs is None else [
@@ -218,7 +219,7 @@ class ModelRunner:
             plan = StepPlan.of(part, self.spec.method)
             shape = self.step_lists.shape(plan)
             if self.graphs is not None:
-                shape = self.graphs.bucket(shape)
+                shape = self.graphs.bucket(shape, growth)
             part_packed, part_scores = self._run(plan, shape, static=self.graphs is not None)
             checks += [w for w, _ in plan.checks]
             num_drafts += plan.num_drafts

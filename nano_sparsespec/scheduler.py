@@ -147,6 +147,13 @@ class Scheduler:
         """True while any request is waiting, running or offloaded."""
         return bool(self.waiting or self.running or self.offloaded)
 
+    def batch_growth(self) -> float:
+        """How many times as many requests will decode once the prefilling and waiting ones are
+        in (a run's start), 1 for a batch that is full or shrinking."""
+        decoding = sum(s.status != Status.PREFILL for s in self.running)
+        ahead = min(self.spec.max_batch, len(self.running) + len(self.waiting))
+        return ahead / decoding if decoding else 1.0
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished with `reason` and release its KV, its row and its verify slot."""
         held_slot = seq.status == Status.RUNNING

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import generate
-from nano_sparsespec import SamplingParams, attention, kernels
+from nano_sparsespec import LLM, SamplingParams, attention, kernels
 from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 from nano_sparsespec.runner import ModelRunner
 from nano_sparsespec.step_lists import StepLists
@@ -57,6 +57,40 @@ def test_steps_of_a_context_share_a_bucket():
     assert graphs.bucket(fewer) == bucket
     too_few = replace(fewer, dense_batch=40, checks=40)
     assert graphs.bucket(too_few) == graphs.rounded(too_few) != bucket
+
+
+def test_a_growing_batch_is_padded_to_the_batch_ahead():
+    """While requests are still coming in (`growth` > 1.25), a step is padded up to the batch it grows into, or
+    replays a recorded bucket between its own and that one: a batch that grows from 30 to 512 in steps of 20 records
+    one bucket, where its own sizes would record 13. A batch about to be full or shrinking pads to its own (when no
+    recorded bucket covers it)."""
+    from nano_sparsespec.step_lists import StepShape
+    graphs = StepGraphs(None, block_size=16, state=[], rows=512, stride=8)
+
+    def decode(batch):
+        return StepShape(tokens=batch + 1, dense_batch=batch, dense_queries=1, dense_blocks=16, scores=False,
+                         sparse_batch=0, sparse_rows=0, selection_width=0, window=0, lookup_context=0, drafts=0,
+                         checks=batch, check_drafts=0, draft_flags=(), check_flags=())
+    for batch in range(30, 513, 20):
+        bucket = graphs.bucket(decode(batch), growth=512 / batch)
+        assert bucket.dense_batch >= batch and bucket.checks >= batch and bucket.tokens == bucket.dense_batch + 1
+        graphs.steps.setdefault(bucket, None)                                       # "recorded"
+    assert {b.dense_batch for b in graphs.steps} == {512}
+    assert len({graphs.rounded(decode(batch)).dense_batch for batch in range(30, 513, 20)}) == 13
+    graphs.forget()
+    assert graphs.bucket(decode(420), growth=512 / 420).dense_batch == 448                 # less than 1.25x ahead
+    assert graphs.bucket(decode(200)).dense_batch == 224                                   # shrinking
+
+
+def test_the_progress_bar_says_which_graph_is_recorded(tiny_qwen3, prompts, capsys):
+    """With a progress bar, each bucket's recording is announced before it starts (torch.compile may compile for
+    seconds meanwhile): its number, batch and context against the longest context of the run."""
+    llm = LLM(str(tiny_qwen3[0]), device="cpu", dtype="float32", cuda_graphs=True, max_batch=5)
+    llm.generate(None, SamplingParams(max_new_tokens=8, ignore_eos=True), prompt_token_ids=prompts, progress=True)
+    err = capsys.readouterr().err
+    longest = max(len(p) for p in prompts) + 8
+    assert "recording CUDA graph 1: batch" in err and f" of {longest:,}" in err
+    assert f"{llm.last_stats.graphs_recorded} CUDA graphs recorded in" in err
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -250,9 +284,9 @@ def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, m
         parts.append(bool(plan.checks))
         return run(self, plan, shape, static)
 
-    def noted_launch(self, works):
+    def noted_launch(self, works, growth=1.0):
         before = len(parts)
-        result = launch(self, works)
+        result = launch(self, works, growth)
         if parts[before:] == [True, True]:
             joined.append(([w.kind for w in result.verify_works], result.num_drafts, result.fetch()))
         return result
