@@ -32,10 +32,9 @@ def rows_markdown(result: dict) -> str:
              f"({result['peak_bandwidth_source']}). `= plain`: requests whose tokens equal "
              f"plain decoding's (and the "
              f"mean number of leading tokens they share). Each row of ours is timed after "
-             f"warm-up runs of its own "
-             f"requests and settings, all of them and then the first alone "
-             f"(up to {warm_up_tokens(s['stride'])} "
-             f"tokens).", "",
+             + ("its graphs' recording, the first run of each step shape" if s.get("cuda_graphs")
+                else f"warm-up runs of its own requests and settings, all of them and then the "
+                     f"first alone (up to {warm_up_tokens(s['stride'])} tokens)") + ".", "",
              "| row | tok/s | vs plain |" + (" vs plain (CPU time) |" if cpu else "") +
              " accepted / k | GB/s | % of peak BW | peak mem (MiB) | steps | batch used "
              "| offloads / restores |"
@@ -60,16 +59,14 @@ def rows_markdown(result: dict) -> str:
     if graphs:
         lines += ["", "With CUDA graphs, tok/s leaves out the one-time recording of each "
                       "bucket's graph (graphs recorded and seconds spent, as a server spends them "
-                      "once at start). Start-up: the row's wall time (warm-up runs included) "
-                      "but for its decoding."]
+                      "once at start). Start-up: the row's wall time but for its decoding."]
     compiled = [f"{r['name']} {r['compile_seconds']:.1f} s "
                 f"({r.get('compile_seconds_recording', 0):.1f} s of it "
                 f"while recording graphs)"
                 for r in result["rows"] if r.get("compile_seconds", 0) > 0.05]
     if compiled:
-        lines += ["", "torch.compile compiled during timed runs (shapes their warm-up did not "
-                      "meet; in tok/s but for "
-                      "what fell inside graph recording): " + ", ".join(compiled) + "."]
+        lines += ["", "torch.compile compiled during timed runs (in tok/s but for what fell "
+                      "inside graph recording): " + ", ".join(compiled) + "."]
     return "\n".join(lines)
 
 
