@@ -69,8 +69,8 @@ def main() -> None:
                  prompt_token_ids=prompts)
     print(f"{method} {policy}, batch {batch}, {requests} requests x {tokens} tokens: "
           f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
-          f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel "
-          f"(a compilation each)")
+          f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel and "
+          f"{len(score_pass_shapes(BucketCounter.recorded))} of its score pass (a compilation each)")
 
 
 def paged_kernel_shapes(buckets) -> set:
@@ -83,6 +83,13 @@ def paged_kernel_shapes(buckets) -> set:
             needed = -(-b.dense_blocks // chunk)
             shapes.add((b.dense_batch, b.dense_queries, 1 << (needed - 1).bit_length(), b.scores))
     return shapes
+
+
+def score_pass_shapes(buckets) -> set:
+    """The shapes the verification's score pass is compiled for (`kernels.score_pass`): scored
+    requests and their context."""
+    return {(b.dense_batch, b.dense_blocks) for b in buckets
+            if b.scores and b.dense_batch and not b.dense_runs}
 
 
 if __name__ == "__main__":

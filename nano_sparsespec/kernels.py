@@ -71,8 +71,9 @@ def use_project_compile_cache() -> None:
 def compile_kernels(paged: bool = False) -> None:
     """Swap torch.compile'd versions of the K/V write, the score pass and the draft branch
     (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
-    dense path (static shapes, as flex_attention's decoding kernel wants: one compilation per
-    padded step)."""
+    dense path: its attention and swapped score pass for static shapes (as flex_attention's
+    decoding kernel wants: one compilation per batch class, query rows and chunk count; the score
+    pass per batch class and context), the score pass's inputs for dynamic ones."""
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
@@ -80,7 +81,7 @@ def compile_kernels(paged: bool = False) -> None:
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _paged.update(attend=_static_but_token_rows(paged_attend, 2),
-                      score_inputs=_static_but_token_rows(score_inputs, 1),
+                      score_inputs=torch.compile(score_inputs, dynamic=True),
                       score_pass=torch.compile(score_pass, dynamic=False))
         kernels.update(paged=paged_dense, prepare=paged_prepare)
 
