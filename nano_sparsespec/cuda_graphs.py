@@ -12,8 +12,9 @@ Owns
   * the buckets: `StepGraphs.bucket` rounds a step's shape (the runner's `StepShape`: dense
     requests x query rows x context blocks, sparse drafts x critical positions + window, drafts
     sampled, checks verified, sampling flags) up to a batch size class and one context length,
-    or to a recorded bucket that covers it (`covers`), so that a long generation needs a few
-    dozen graphs, not one per step. The runner pads its lists to the bucket;
+    or to a recorded bucket that covers it (`covers`), or, while the batch grows, to the batch
+    it grows into, so that a long generation needs a few dozen graphs, not one per step. The
+    runner pads its lists to the bucket;
   * `StaticStep`: one bucket's static copy of the step's lists and (on CUDA) the graph recorded
     over them;
   * `StepGraphs.run(shape, packed, names)`: what the runner calls instead of its eager device step
@@ -190,10 +191,10 @@ class StepGraphs:
         """The bucket a step is padded to: its own (`rounded`), or a recorded one that covers it
         with at most twice its requests of each kind, or at most `SMALL_BATCH` (`covers`): a
         shrinking batch (a run's tail) records one bucket per doubling down to that size, not
-        one per size. A growing batch (a run's start:
-        `growth` times as many requests will decode once the prefilling and waiting ones are
-        in) is padded up to the batch ahead (`ahead`): a few steps padded, where each size on
-        the way would record a graph and compile its kernels."""
+        one per size. A growing batch (a run's start: `growth` times as many requests will
+        decode once the prefilling and waiting ones are in) is padded up to the batch ahead
+        (`ahead`): a few steps padded, where each size on the way would record a graph and
+        compile its kernels."""
         own = self.rounded(shape)
         if own in self.steps or own.dense_runs:
             return own
