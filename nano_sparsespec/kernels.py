@@ -12,7 +12,7 @@ Owns
     chunks that are merged by their log-sum-exps), and `column_scores`: a verification's
     PillarAttn scores as a second flex_attention pass with queries and keys swapped, from the
     rows' log-sum-exps (the probabilities are never in memory). `paged_dense` runs three pieces,
-    each compiled as a whole graph (no graph break: a break's resume function recompiles);
+    each compiled as a whole graph (no graph break: a break's resume function recompiles).
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
 
@@ -212,10 +212,8 @@ def paged_attend(out, q, q_index, k_layer, v_layer, block_mask, with_lse: bool):
     [Bd, n_kv, G*Qmax] with `with_lse`, else None. One function, so that compiled, the queries'
     gather and the output's scatter fuse with the kernel's packing and the merge of the chunks."""
     queries = q[q_index]                                                   # [Bd, Qmax, n_heads, D]
-    if not with_lse:
-        attended, lse = paged_attention(queries, k_layer, v_layer, block_mask), None
-    else:
-        attended, lse = paged_attention(queries, k_layer, v_layer, block_mask, with_lse=True)
+    attended = paged_attention(queries, k_layer, v_layer, block_mask, with_lse=with_lse)
+    attended, lse = attended if with_lse else (attended, None)
     out[q_index.flatten()] = attended.flatten(0, 1)
     return lse
 

@@ -136,7 +136,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
     return {"tokens": stats.output_tokens, "seconds": seconds - recording,
             "cpu_seconds": None if recording else cpu_seconds,
             "wall_seconds": seconds, "graphs_recorded": stats.graphs_recorded,
-            # the whole row (warm-ups included) but for its decoding: what a user waits first
+            # the whole row (its warm-ups, if any) but for its decoding: what a user waits first
             "startup_seconds": time.perf_counter() - row_start - (seconds - recording),
             "graph_record_seconds": recording,
             "engine_seconds": stats.seconds,
