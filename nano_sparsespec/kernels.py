@@ -31,15 +31,17 @@ from .pillar_attn import pillar_scores
 
 # The paged kernel cuts contexts into chunks of at most this many positions, each a CTA's work.
 PAGED_CHUNK = 512
-# Triton settings of the decoding kernel: two pipeline stages overlap a block's loads with the
-# previous block's math (torch's default for sm_90 is one).
-PAGED_KERNEL_OPTIONS = {"num_stages": 2, "num_warps": 2}
+# Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
+# math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
+# head need the third to keep the loads streaming (BENCHMARKS.md, kernel settings).
+PAGED_KERNEL_OPTIONS = {"num_stages": 3, "num_warps": 2}
 # The swapped score pass (`column_scores`): positions per query tile, verification rows per key
 # block (a verification has G x (k + 1) rows per KV head, 27 for the embedded model), and its
-# Triton settings (one key block of rows a tile: nothing to pipeline).
+# Triton settings (one key block of rows a tile: nothing to pipeline; two warps suit the small
+# verification batches of balanced steps).
 SCORE_TILE, SCORE_ROWS = 128, 32
 SCORE_KERNEL_OPTIONS = {"BLOCK_M": SCORE_TILE, "BLOCK_N": SCORE_ROWS, "num_stages": 1,
-                        "num_warps": 4}
+                        "num_warps": 2}
 # Width of the values of the swapped score pass: only its log-sum-exps are used, and
 # flex_attention's smallest value width keeps the output it writes anyway small.
 SCORE_VALUE_DIM = 16
@@ -73,28 +75,34 @@ def compile_kernels(paged: bool = False) -> None:
     (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
     dense path: its attention and swapped score pass for static shapes (as flex_attention's
     decoding kernel wants: one compilation per batch class, query rows and chunk count; the score
-    pass per batch class and context), the score pass's inputs for dynamic ones."""
+    pass per batch class and context), the score pass's inputs for a dynamic batch and context."""
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     kernels["sparse"] = torch.compile(attention.sparse_drafts, dynamic=True)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        _paged.update(attend=_static_but_token_rows(paged_attend, 2),
-                      score_inputs=torch.compile(score_inputs, dynamic=True),
+        # paged_attend(out, q, ...): token rows T dynamic
+        # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse): T, batch
+        # and context dynamic
+        _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}),
+                      score_inputs=_static_but(score_inputs, {0: (0,), 1: (0,), 3: (0, 1),
+                                                              5: (0,), 6: (0,)}),
                       score_pass=torch.compile(score_pass, dynamic=False))
         kernels.update(paged=paged_dense, prepare=paged_prepare)
 
 
-def _static_but_token_rows(fn, token_args: int):
-    """`fn` compiled for static shapes but the step's token rows T (dim 0 of its first
-    `token_args` arguments: `out`, `q`), which also count a step's sparse drafts: compiled once
-    per T it would recompile for every draft count."""
+def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]]):
+    """`fn` compiled for static shapes but the dims `dynamic_dims` names (argument index ->
+    dims): sizes that vary from step to step (token rows, which also count a step's sparse drafts;
+    batch; context) do not recompile it, while the pool's and the heads' sizes stay constants of
+    the kernel (symbolic ones there make every index a runtime division)."""
     compiled = torch.compile(fn, dynamic=False)
 
     def run(*args):
-        for t in args[:token_args]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for i, dims in dynamic_dims.items():
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(args[i], dim)
         return compiled(*args)
     return run
 
@@ -312,7 +320,8 @@ def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
     block_mask = BlockMask.from_kv_blocks(
         torch.full((B, 1, tiles), row_blocks, dtype=torch.int32, device=keys.device),
         torch.arange(row_blocks, dtype=torch.int32, device=keys.device).repeat(B, 1, tiles, 1),
-        BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R))
+        BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R),
+        compute_q_blocks=False)                   # (the transposed lists serve only a backward)
     values = rows.new_zeros(B, n_kv, R, SCORE_VALUE_DIM)
     _, aux = flex_attention(keys, rows, values, score_mod=minus_shift, block_mask=block_mask,
                             scale=D ** -0.5, return_aux=AuxRequest(lse=True),

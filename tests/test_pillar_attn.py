@@ -751,23 +751,27 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
 def test_compiled_score_inputs_serve_every_batch_and_context():
     """The score pass's inputs (`score_inputs`: keys gathered head-major from the pool, the packed rows and their
-    shifts), compiled once for dynamic shapes, equal the eager ones for verification batches of other sizes and
-    contexts: a run's growing contexts do not recompile them."""
+    shifts), as `compile_kernels(paged=True)` compiles them, equal the eager ones for verification batches of other
+    sizes and contexts, from one compilation: a run's growing contexts do not recompile them."""
     from torch._dynamo.utils import counters
     block, head_dim, Q = 16, 16, 3
     g = torch.Generator().manual_seed(13)
     k_pool = torch.randn(100 * block, N_KV, head_dim, generator=g)
-    compiled = torch.compile(kernels.score_inputs, dynamic=True)
+    kernels.compile_kernels(paged=True)
     counters.clear()
-    for B, blocks in ((5, 7), (7, 9), (9, 11)):        # (no size equal to another: dynamo's duck sizing)
-        q = torch.randn(B * Q + 2, H, head_dim, generator=g)
-        q_index = torch.randperm(B * Q, generator=g).view(B, Q)
-        table = torch.randperm(100, generator=g)[:B * blocks].view(B, blocks)
-        weight = torch.rand(B, Q, generator=g) * (torch.rand(B, Q, generator=g) > 0.3)
-        lse = torch.randn(B, N_KV, G * Q, generator=g)
-        expected = kernels.score_inputs(q, q_index, k_pool, table, block, weight, lse)
-        for got, want in zip(compiled(q, q_index, k_pool, table, block, weight, lse), expected):
-            torch.testing.assert_close(got, want)
+    try:
+        for B, blocks in ((5, 7), (7, 9), (9, 11)):        # (no size equal to another: dynamo's duck sizing)
+            q = torch.randn(B * Q + 2, H, head_dim, generator=g)
+            q_index = torch.randperm(B * Q, generator=g).view(B, Q)
+            table = torch.randperm(100, generator=g)[:B * blocks].view(B, blocks)
+            weight = torch.rand(B, Q, generator=g) * (torch.rand(B, Q, generator=g) > 0.3)
+            lse = torch.randn(B, N_KV, G * Q, generator=g)
+            expected = kernels.score_inputs(q, q_index, k_pool, table, block, weight, lse)
+            got = kernels._paged["score_inputs"](q, q_index, k_pool, table, block, weight, lse)
+            for got_part, want in zip(got, expected):
+                torch.testing.assert_close(got_part, want)
+    finally:
+        kernels.use_eager_kernels()
     assert counters["stats"]["unique_graphs"] == 1
 
 
