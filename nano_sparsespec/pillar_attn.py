@@ -77,17 +77,22 @@ def top_positions(scores: torch.Tensor, context_len, budget) -> tuple[torch.Tens
     """`select_pillar` for the whole batch at once: arguments as there -> (positions
     [B, L, n_kv, N] best first, position 0 past each request's own, and the widths
     min(B_b, len_b), B ints; N the largest).
-    Ties break towards the lower position, so the selection is deterministic: one top-k over int64
+    Ties break towards the lower position, so the selection is deterministic: one top-k over int32
     keys, a score's float32 bits above (a non-negative float's bits order like its value) and its
-    position's complement below. The counts are host ints: nothing here waits for the device."""
+    position's complement in the lowest ceil(log2 Lmax) bits. Those bits are taken from the score's
+    23-bit mantissa: scores that agree to 1 part in 2^(23 - ceil(log2 Lmax)) (2^-11 at Lmax 4,096)
+    count as tied. 32-bit keys take half the radix passes of 64-bit ones. The counts are host ints: nothing here
+    waits for the device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
     Lmax, device = scores.shape[-1], scores.device
     widths = [min(b, c) for b, c in zip(budget, context)]
-    columns = torch.arange(Lmax, device=device)
+    columns = torch.arange(Lmax, device=device, dtype=torch.int32)
     # [B, Lmax]
     in_context = columns[None, :] < to_device(context, torch.long, device)[:, None]
     masked = scores.float().masked_fill(~in_context[None, :, None, :], float("-inf"))
-    keys = (masked.view(torch.int32).long() << 32) | (0xFFFFFFFF - columns)    # [L, B, n_kv, Lmax]
+    position_bits = max(1, (Lmax - 1).bit_length())
+    # [L, B, n_kv, Lmax]; -inf's bits are negative: below every score
+    keys = (masked.view(torch.int32) >> position_bits << position_bits) | (Lmax - 1 - columns)
     N = max(widths)
     order = keys.topk(N, dim=-1).indices.transpose(0, 1)                       # [B, L, n_kv, N]
     real = columns[:N][None, :] < to_device(widths, torch.long, device)[:, None]  # [B, N]

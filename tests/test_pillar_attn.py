@@ -553,6 +553,15 @@ def test_select_pillar_tie_break_towards_lower_positions():
     assert sel[0].tolist() == [[[0, 1, 2]]]
 
 
+def test_select_pillar_ranks_scores_to_the_precision_its_keys_keep():
+    """Scores that differ in more than the mantissa bits the position takes are ranked by score at any
+    magnitude; scores that agree to 1 part in 2^(23 - ceil(log2 Lmax)) are tied and go to the lower position."""
+    Lmax = 8                                                          # 3 position bits: 20 mantissa bits kept
+    scores = torch.tensor([1e-30, 3e30, 0.0, 2.5e-3, 2.5e-3 * (1 + 2 ** -18), 7.0, 1.0, 1.0 + 2 ** -22])
+    order = select_pillar(scores.view(1, 1, 1, Lmax), torch.tensor([Lmax]), torch.tensor([Lmax]))[0]
+    assert order.flatten().tolist() == [1, 5, 6, 7, 4, 3, 0, 2]
+
+
 def test_select_pillar_per_layer_and_head():
     """Each (layer, KV head) picks its own top positions."""
     L, Lmax = 2, 10
