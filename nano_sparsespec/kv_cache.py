@@ -66,7 +66,8 @@ class BlockPool:
 
 
 class KVCache:
-    """Device pool (`k`, `v`) plus an optional host pool (`host_k`, `host_v`, pinned on CUDA)."""
+    """Device pool (`k`, `v`) plus an optional host pool (`host_k`, `host_v`, pinned on CUDA,
+    allocated by the first offload)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device | str,
@@ -79,10 +80,11 @@ class KVCache:
         shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)  # + scratch
         self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.pool = BlockPool(num_blocks, block_size, "device")
-        host_shape = (num_layers, host_blocks * block_size, num_kv_heads, head_dim)
-        pin = self.device.type == "cuda"
-        self.host_k, self.host_v = (torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
-                                    for _ in range(2))
+        # [L, host_blocks * block_size, n_kv, D], pinned on CUDA; made by the first offload:
+        # pinning tens of GB takes tens of seconds, which a run that never offloads need not wait
+        self.host_shape = (num_layers, host_blocks * block_size, num_kv_heads, head_dim)
+        self.host_k: torch.Tensor | None = None
+        self.host_v: torch.Tensor | None = None
         self.host_pool = BlockPool(host_blocks, block_size, "host")
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -129,6 +131,10 @@ class KVCache:
 
     def offload(self, seq_id: int, chunk_blocks: int = 64) -> None:
         """Move every block of `seq_id` to the host pool, in chunks; free its device blocks."""
+        if self.host_k is None:      # (a block is read back only after an offload wrote it)
+            pin = self.device.type == "cuda"
+            self.host_k, self.host_v = (torch.empty(self.host_shape, dtype=self.k.dtype,
+                                                    pin_memory=pin) for _ in range(2))
         self._move(seq_id, self.pool, self.host_pool, (self.k, self.v), (self.host_k, self.host_v),
                    chunk_blocks)
 

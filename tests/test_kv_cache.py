@@ -22,7 +22,7 @@ def test_shapes():
     cache = make_cache(num_blocks=5, host_blocks=3)
     assert cache.k.shape == cache.v.shape == (L, 6 * BS, N_KV, D)          # + the scratch block of padded steps
     assert cache.scratch_block == 5                                          # past every block: no request owns it
-    assert cache.host_k.shape == cache.host_v.shape == (L, 3 * BS, N_KV, D)
+    assert cache.host_shape == (L, 3 * BS, N_KV, D) and cache.host_k is None   # made by the first offload
     assert cache.free_blocks() == 5
     with pytest.raises(ValueError, match="num_blocks=0"):
         make_cache(num_blocks=0)
@@ -199,7 +199,9 @@ def test_offload_restore_is_byte_identical(chunk_blocks, dtype):
     k1, v1 = fill(cache, 1)
     old_table = list(cache.pool.tables[1])
 
+    assert cache.host_k is None                                # the host pool: made by the first offload
     cache.offload(1, chunk_blocks=chunk_blocks)
+    assert cache.host_k.shape == cache.host_v.shape == cache.host_shape
     assert cache.is_offloaded(1) and 1 not in cache.pool.tables
     assert cache.length(1) == 0 and cache.host_pool.lengths[1] == 11
     assert cache.free_blocks() == 5
