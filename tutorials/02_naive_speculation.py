@@ -61,15 +61,15 @@ other jobs; yours will differ (by 2x or more on a loaded machine), the shape of 
    - What an H200 measures (BENCHMARKS.md), with the roofline's verification/plain ratio beside the measured one:
        H200 shape (BENCHMARKS.md)  plain ms  verify/plain: model  measured  draft/plain  accepted  lock-step
        SmolLM2-135M, 128 x 2,048       3.97                 1.0x      6.4x        0.77x      5.27      0.50x
-       SmolLM2-135M, 512 x 4,096      20.75                 1.0x      3.5x        0.36x         6      1.08x
-       SmolLM2-135M, 1,024 x 4,096    35.48                 1.0x      4.4x        0.34x         6      0.99x
-       Qwen3-8B shape, 64 x 8,000      25.1                 1.0x      6.5x        0.31x      5.27      0.70x
-     (and the balanced and ceiling columns of tutorials 04 and 07). A verification costs 3.9-6.4x a plain step,
+       SmolLM2-135M, 512 x 4,096      16.25                 1.0x      3.8x        0.28x         6      1.14x
+       SmolLM2-135M, 1,024 x 4,096    30.75                 1.0x      4.0x        0.20x         6      1.25x
+       Qwen3-8B shape, 64 x 8,000     27.53                 1.0x      3.9x        0.36x         6      1.05x
+     (and the balanced and ceiling columns of tutorials 04 and 07). A verification costs 3.8-6.4x a plain step,
      not 1x. The model leaves out the verification's PillarAttn score pass (every layer's keys gathered and read
      again, then a top-k), a step's fixed cost that bytes do not count (launches,
      small GEMMs, LM head, sampling: 2.7 of a 4.0 ms plain step of the small model), gathers of scattered positions,
      plain decoding reaching only 28-52% of the bandwidth, and slots left idle by stalls and the batch's tail.
-   On the H200 SparseSpec does not pay today (a verification costs 3.9-6.4x a plain step; full SparseSpec runs at
+   On the H200 SparseSpec does not pay today (a verification costs 3.8-6.4x a plain step; full SparseSpec runs at
    0.23x plain at 128 x 2,048); on one CPU thread at long contexts it does (pillar-lookup with balanced batching:
    1.41x plain at 8 x 4,096).
 

@@ -42,16 +42,16 @@ records every step with a `StepLog` (the engine's `on_step` callback). Numbers f
    are read either way. When the naive verification spike is compute-bound while its draft steps leave the tensor
    cores idle, balancing recovers the difference: up to 1.35x in this model.
    The model costs a verification's k + 1 rows like any k + 1 tokens. Measured on an H200 (BENCHMARKS.md) a
-   verification costs 3.9-6.4x a plain step, and the script prints those step costs next to the model:
+   verification costs 3.8-6.4x a plain step, and the script prints those step costs next to the model:
        H200 shape (BENCHMARKS.md)  plain ms  draft/plain  verify/plain  accepted  lock-step  balanced  ceiling
        SmolLM2-135M, 128 x 2,048       3.97        0.77x          6.4x      5.27      0.50x     0.37x    1.02x
-       SmolLM2-135M, 512 x 4,096      15.81        0.30x          4.3x         6      1.04x     0.87x    3.99x
-       SmolLM2-135M, 1,024 x 4,096    30.50        0.19x          4.4x         6      1.18x     1.01x    4.75x
+       SmolLM2-135M, 512 x 4,096      16.25        0.28x          3.8x         6      1.14x     0.97x    3.82x
+       SmolLM2-135M, 1,024 x 4,096    30.75        0.20x          4.0x         6      1.25x     1.08x    5.21x
        Qwen3-8B shape, 64 x 8,000     27.53        0.36x          3.9x         6      1.05x     0.86x    2.55x
    Measured, balanced is no faster than lock-step at any shape: the mixed step pays for a verification's score
    pass and both attention kernels every step. The roofline leaves out that score pass, the fixed cost of a step,
    gathers, the bandwidth plain decoding actually reaches (28-52%) and idle slots. On the H200 SparseSpec does not
-   pay today (a verification costs 3.9-6.4x a plain step); on one CPU thread at long contexts it does (pillar-lookup
+   pay today (a verification costs 3.8-6.4x a plain step); on one CPU thread at long contexts it does (pillar-lookup
    with balanced batching: 1.41x plain at 8 x 4,096).
 
 With matplotlib (installed by `make setup`): tutorials/out/04_unified_batching.png, the tokens per step of both
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
           "cores idle (memory-bound); the balanced step mixes both and sits near the roofline every step. At long "
           "context every step is memory-bound and both policies read the same bytes, so the gain vanishes.")
     print("\nThat model costs a verification's k + 1 rows like k + 1 tokens of any step. Measured on an H200 "
-          "(BENCHMARKS.md) a verification costs 3.9-6.4x a plain step, and every mixed step carries one share of that "
+          "(BENCHMARKS.md) a verification costs 3.8-6.4x a plain step, and every mixed step carries one share of that "
           "cost:")
     table(MEASURED_HEADERS, measured_rows(8))
     print("lock-step = (a + 1) x plain / (k x draft + verification), balanced = (a + 1) / (k + 1) x plain / mixed: "

@@ -43,8 +43,8 @@ tools, and says how to read their numbers and where to run them for real. Number
    context shapes and prints the ceiling there: (accepted + 1) / (k + 1) x a plain step over a plain step with next
    to nothing to attend to. Below 1x, no drafter that runs the model's layers can pay at that shape (the embedded
    model on an H200 at 2,048 positions: ~1.0x; a Qwen3-8B shape at 8,000: 2.55x). The script prints the step costs
-   an H200 measured (BENCHMARKS.md): a verification costs 3.9-6.4x a plain step where the roofline model says ~1x,
-   and the lock-step and balanced cycles built from them reach 0.37-1.18x plain. It names what the model leaves out
+   an H200 measured (BENCHMARKS.md): a verification costs 3.8-6.4x a plain step where the roofline model says ~1x,
+   and the lock-step and balanced cycles built from them reach 0.37-1.25x plain. It names what the model leaves out
    (the verification's score pass, a step's fixed cost, gathers, the bandwidth actually reached, idle slots) and
    where SparseSpec pays today: not on the H200 (full SparseSpec 0.23x plain at 128 x 2,048), but on one CPU thread
    at long contexts (1.41x at 8 x 4,096).

@@ -61,7 +61,7 @@ def step_ms(tokens: int, kv_read: int, attended: int, cfg: ModelConfig = QWEN3_8
 # ----------------------------------------------------------------------------------------------------------------------
 # What an H200 measures (BENCHMARKS.md, "Step profile and ceiling" and "Step profile at 4,096 positions": bf16, CUDA
 # graphs, compiled kernels, ms per step over B requests x C cached positions). The roofline above costs a verification
-# like a plain step; measured, it is 3.9-6.4x one.
+# like a plain step; measured, it is 3.8-6.4x one.
 
 # SmolLM2-135M-Instruct, the embedded model (bf16 on the H200).
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -71,11 +71,11 @@ SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=
 # floor), accepted drafts of 8 it is read at)
 MEASURED_H200 = {
     "SmolLM2-135M, 128 x 2,048": (SMOLLM2_135M, 128, 2048, (3.97, 3.06, 25.46, 7.57, 2.70), 5.27),
-    "SmolLM2-135M, 512 x 4,096": (SMOLLM2_135M, 512, 4096, (15.81, 4.74, 68.41, 14.11, 3.08), 6.0),
-    "SmolLM2-135M, 1,024 x 4,096": (SMOLLM2_135M, 1024, 4096, (30.50, 5.75, 135.10, 23.39, 4.99), 6.0),
+    "SmolLM2-135M, 512 x 4,096": (SMOLLM2_135M, 512, 4096, (16.25, 4.63, 62.32, 13.08, 3.31), 6.0),
+    "SmolLM2-135M, 1,024 x 4,096": (SMOLLM2_135M, 1024, 4096, (30.75, 6.25, 122.61, 22.11, 4.59), 6.0),
     "Qwen3-8B shape, 64 x 8,000": (QWEN3_8B, 64, 8000, (27.53, 9.80, 106.01, 24.77, 8.40), 6.0),
 }
-PAYS_TODAY = ("On the H200 SparseSpec does not pay today (a verification costs 3.9-6.4x a plain step, and full "
+PAYS_TODAY = ("On the H200 SparseSpec does not pay today (a verification costs 3.8-6.4x a plain step, and full "
               "SparseSpec runs at 0.23x plain decoding at 128 x 2,048); on one CPU thread at long contexts it does "
               "(pillar-lookup with balanced batching: 1.41x plain at 8 x 4,096).")
 MODEL_LEAVES_OUT = ("What the roofline leaves out: the verification's PillarAttn score pass (every layer's keys "
