@@ -206,8 +206,9 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in float32 (sampling and verification want it)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is None:                                 # tied to the embedding
+            return linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
