@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,11 +24,13 @@ from tqdm import tqdm
 from . import kernels
 from .async_loop import (CommitCallback, Engine, Observers, RunStats, SelectionCallback, StepEvent,
                          acceptance_summary)
-from .config import SamplingParams, SpecConfig
+from .config import ModelConfig, SamplingParams, SpecConfig
 from .kv_cache import KVCache
 from .model import load_model
 from .runner import ModelRunner
 from .scheduler import Sequence, Status
+from .tensor_parallel import Workers, check_divisible, rank_device, shard
+from .tensor_parallel import init as init_rank
 
 
 @dataclass
@@ -112,16 +115,22 @@ class LLM:
     verification attention read the paged pool in place) and fuses each layer's elementwise
     pieces, sampling and verification; `cuda_graphs=True` pads decode steps to bucket shapes and
     replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
+    `tensor_parallel=N` splits the model over N ranks (tensor_parallel.py): this process is rank
+    0, and the LLM spawns ranks 1..N-1 (`rank` and `port` are theirs to set); `close()` stops
+    them.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str | torch.dtype | None = None, compile: bool = False,
                  cuda_graphs: bool = False, gguf: str | None = None,
-                 runner_class: type[ModelRunner] = ModelRunner, **spec_kwargs):
+                 runner_class: type[ModelRunner] = ModelRunner, tensor_parallel: int = 1,
+                 rank: int = 0, port: int | None = None, **spec_kwargs):
         from transformers import AutoTokenizer
 
         from .embedded import resolve_model_path
 
+        if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
         self.spec = SpecConfig(**spec_kwargs)
         self.cuda_graphs = cuda_graphs
         # a ModelRunner subclass may change what a step reads out
@@ -133,7 +142,21 @@ class LLM:
             dtype = DTYPES[dtype]
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_path = resolve_model_path(model, gguf)
+        self.workers = None
+        if tensor_parallel > 1:
+            check_divisible(ModelConfig.from_dir(self.model_path), tensor_parallel)
+            if rank == 0:
+                self.workers = Workers(tensor_parallel, dict(
+                    model=str(self.model_path), device=str(self.device), dtype=self.dtype,
+                    compile=compile, cuda_graphs=cuda_graphs, runner_class=runner_class,
+                    **spec_kwargs))
+                weakref.finalize(self, self.workers.close)
+                port = self.workers.port
+            self.device = rank_device(self.device, rank)
+            init_rank(rank, tensor_parallel, port, self.device)
         self.model = load_model(self.model_path, self.device, self.dtype)
+        if tensor_parallel > 1:
+            self.model = shard(self.model, rank, tensor_parallel)
         has_tokenizer = any((self.model_path / f).is_file()
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = (AutoTokenizer.from_pretrained(str(self.model_path)) if has_tokenizer
@@ -198,22 +221,11 @@ class LLM:
         if len(params_list) != len(prompt_token_ids):
             raise ValueError(f"got {len(params_list)} SamplingParams for "
                              f"{len(prompt_token_ids)} prompts")
-        seqs = [Sequence(i, ids, p, p.seed if p.seed is not None else random.randrange(2 ** 31))
-                for i, (ids, p) in enumerate(zip(prompt_token_ids, params_list))]
-        cfg = self.model.config
-        device_blocks, host_blocks = self._pool_sizes(seqs)
-        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks,
-                        self.spec.block_size, self.dtype, self.device, host_blocks)
-        engine = Engine(self.model, self.spec, cache, self.eos_token_ids, self.decode,
-                        self.cuda_graphs, self.runner_class)
-        for seq in seqs:
-            try:
-                if seq.seq_id in bad_prompts:
-                    raise ValueError(bad_prompts[seq.seq_id])
-                engine.add(seq)
-            except ValueError as e:
-                seq.status, seq.finish_reason = Status.FINISHED, "error"
-                seq.error = f"request {seq.seq_id}: {e}"
+        seeds = [p.seed if p.seed is not None else random.randrange(2 ** 31) for p in params_list]
+        requests = (self.spec, prompt_token_ids, params_list, seeds, bad_prompts)
+        if self.workers is not None:
+            self.workers.send(requests)
+        seqs, engine = self._engine(*requests)
         # The bar counts each request's most tokens; one that ends early is credited the rest.
         most = {s.seq_id: min(s.params.max_new_tokens, engine.max_len - s.num_prompt)
                 for s in seqs if s.error is None}
@@ -261,6 +273,41 @@ class LLM:
         finally:
             bar.close()
         return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+
+    def _engine(self, spec: SpecConfig, prompt_token_ids: list[list[int]],
+                params_list: list[SamplingParams], seeds: list[int],
+                bad_prompts: dict[int, str]) -> tuple[list[Sequence], Engine]:
+        """The requests as Sequences and an Engine that holds those it accepts (the others
+        finished with `error` set), over a KV pool sized for them."""
+        self.spec = spec
+        seqs = [Sequence(i, ids, p, seed)
+                for i, (ids, p, seed) in enumerate(zip(prompt_token_ids, params_list, seeds))]
+        cfg = self.model.config
+        device_blocks, host_blocks = self._pool_sizes(seqs)
+        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks,
+                        spec.block_size, self.dtype, self.device, host_blocks)
+        engine = Engine(self.model, spec, cache, self.eos_token_ids, self.decode,
+                        self.cuda_graphs, self.runner_class)
+        for seq in seqs:
+            try:
+                if seq.seq_id in bad_prompts:
+                    raise ValueError(bad_prompts[seq.seq_id])
+                engine.add(seq)
+            except ValueError as e:
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+                seq.error = f"request {seq.seq_id}: {e}"
+        return seqs, engine
+
+    def run_requests(self, *requests) -> None:
+        """A worker rank's share of a `generate` call of rank 0 (tensor_parallel.py): the same
+        requests through the same engine, on this rank's part of the model."""
+        self.last_stats = self._engine(*requests)[1].run()
+
+    def close(self) -> None:
+        """Stop the worker ranks (tensor_parallel > 1); a no-op otherwise."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def _output(self, seq: Sequence, prompt: str) -> RequestOutput:
         text = self.decode(seq.output_ids) if seq.error is None else ""
