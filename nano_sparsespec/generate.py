@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cuda-graphs", action="store_true",
         help="replay decode steps as CUDA graphs (the fast GPU path; on a CPU: padded steps, no "
              "gain) (default: off)")
+    add("--tensor-parallel", type=int, default=1, metavar="N",
+        help="split the model over N ranks, spawned by the engine: GPUs cuda:0..N-1 or CPU "
+             "processes (default: 1)")
     add("--show-drafts", action="store_true",
         help="colour a single streamed prompt's accepted drafts and verifier tokens (default: off)")
     add("--json", action="store_true",
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         say(f"loading {args.model} on {args.device or default_device()} ...")
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
-                  cuda_graphs=args.cuda_graphs, gguf=args.gguf, **vars(spec))
+                  cuda_graphs=args.cuda_graphs, gguf=args.gguf,
+                  tensor_parallel=args.tensor_parallel, **vars(spec))
         say(f"ready in {time.perf_counter() - start:.1f} s")
     except (ValueError, OSError) as e:
         say(f"error: {explain(e, args) if isinstance(e, ValueError) else e}")

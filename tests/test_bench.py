@@ -204,6 +204,8 @@ def test_bad_arguments(tiny_qwen3, capsys):
     assert "unknown row 'nonsense'" in capsys.readouterr().err
     assert bench.main(["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "8by1024"]) == 2
     assert "bad profile shape '8by1024'" in capsys.readouterr().err
+    assert bench.main(["--model", str(tiny_qwen3[0]), "--profile-steps", "--tensor-parallel", "2"]) == 2
+    assert "--tensor-parallel 2 with --profile-steps: the step profile runs on one rank" in capsys.readouterr().err
 
 
 def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):

@@ -83,6 +83,8 @@ BAD_ARGUMENTS = {
     "method": (["--method", "medusa"], ["--method", "'medusa'"]),
     "dtype": (["--dtype", "int8"], ["--dtype", "'int8'"]),
     "device_unknown": (["--device", "gpu"], ["device", "'gpu'"]),
+    "tensor_parallel": (["--tensor-parallel", "0"], ["tensor_parallel", "0"]),
+    "tensor_parallel_heads": (["--tensor-parallel", "3"], ["tensor_parallel=3", "num_kv_heads (2)"]),
 }
 
 

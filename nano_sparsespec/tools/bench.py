@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="our rows and the step profile replay decode steps as CUDA graphs "
                         "(cuda_graphs.py)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="our rows split the model over N ranks (tensor_parallel.py); the step "
+                        "profile runs on one")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; use 1 on a CPU shared with "
                         "other jobs)")
@@ -140,8 +143,12 @@ def _run(args, argv: list[str]) -> int:
         # Validate early.
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
                    block_size=args.block_size)
+        if args.tensor_parallel > 1 and args.profile_steps:
+            raise ValueError(f"--tensor-parallel {args.tensor_parallel} with --profile-steps: "
+                             f"the step profile runs on one rank")
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
-                  cuda_graphs=args.cuda_graphs, gguf=args.gguf) \
+                  cuda_graphs=args.cuda_graphs, gguf=args.gguf,
+                  tensor_parallel=args.tensor_parallel) \
             if run_rows or "model" in args.profile_models.split(",") else None
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -167,7 +174,7 @@ def _run(args, argv: list[str]) -> int:
                            "prefill_chunk": args.prefill_chunk, "block_size": args.block_size,
                            "pillar_method": args.pillar_method, "device": str(device),
                            "dtype": str(dtype).replace("torch.", ""), "compile": args.compile,
-                           "cuda_graphs": args.cuda_graphs,
+                           "cuda_graphs": args.cuda_graphs, "tensor_parallel": args.tensor_parallel,
                            "prompts_file": args.prompts_file, "prompt_field": args.prompt_field},
               "peak_bandwidth_gbs": peak, "peak_bandwidth_source": peak_source,
               "measured_copy_gbs": copy_gbs,
