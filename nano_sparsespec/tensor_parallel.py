@@ -18,6 +18,7 @@ Owns
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 
@@ -134,8 +135,10 @@ def init(rank: int, world: int, port: int, device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     else:
         torch.cuda.set_device(device)          # NCCL's collectives run on the current device
+    # the workers wait for rank 0's next call as long as the user takes (torch's default: 30 min)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(days=1))
 
 
 def _serve(rank: int, world: int, port: int, llm_kwargs: dict) -> None:
