@@ -220,7 +220,8 @@ class Engine:
                 continue
             accepted, offered = got["num_accepted"][i], result.num_drafts[i]
             if w.kind == "verify":
-                self.cache.rollback(seq.seq_id, offered - accepted)
+                if offered > accepted:
+                    self.cache.rollback(seq.seq_id, offered - accepted)
                 seq.num_drafts = 0
                 if offered:
                     for stats in (seq, self.stats):

@@ -100,6 +100,10 @@ class KVCache:
         """New device blocks `seq_id` needs to hold `extra_tokens` more positions."""
         return self.pool.blocks_needed(seq_id, extra_tokens)
 
+    def blocks_to_cover(self, seq_id: int, end: int) -> int:
+        """New device blocks `seq_id` needs for positions [0, end) to have slots."""
+        return max(0, -(-end // self.block_size) - len(self.pool.tables.get(seq_id, ())))
+
     def append(self, seq_id: int, n_tokens: int) -> None:
         """Reserve slots for the next `n_tokens` positions of `seq_id` (attention writes the KV)."""
         self.pool.grow(seq_id, n_tokens)

@@ -272,8 +272,7 @@ class Scheduler:
         per_work = -(-max((w.num_tokens for w in works), default=0) // self.cache.block_size) + 1
         if len(works) * per_work <= self.cache.free_blocks():
             return True
-        new = [max(0, w.start + w.num_tokens - self.cache.length(w.seq.seq_id)) for w in works]
-        need = sum(self.cache.blocks_needed(w.seq.seq_id, n) for w, n in zip(works, new))
+        need = sum(self.cache.blocks_to_cover(w.seq.seq_id, w.start + w.num_tokens) for w in works)
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:

@@ -28,6 +28,14 @@ def test_shapes():
         make_cache(num_blocks=0)
 
 
+def test_blocks_to_cover_counts_new_blocks_up_to_a_position():
+    cache = make_cache()
+    assert cache.blocks_to_cover(0, 0) == 0 and cache.blocks_to_cover(0, 1) == 1       # nothing cached yet
+    cache.append(0, BS + 1)                                                           # 2 blocks
+    assert [cache.blocks_to_cover(0, end) for end in (1, 2 * BS, 2 * BS + 1, 4 * BS)] == [0, 0, 1, 2]
+    assert cache.blocks_to_cover(0, 2 * BS + 1) == cache.blocks_needed(0, BS)         # the same count, by position
+
+
 def test_append_across_block_boundaries():
     cache = make_cache()
     cache.append(0, 3)                                          # 3 tokens: 1 block
