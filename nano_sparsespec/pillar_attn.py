@@ -81,8 +81,8 @@ def top_positions(scores: torch.Tensor, context_len, budget) -> tuple[torch.Tens
     keys, a score's float32 bits above (a non-negative float's bits order like its value) and its
     position's complement in the lowest ceil(log2 Lmax) bits. Those bits are taken from the score's
     23-bit mantissa: scores that agree to 1 part in 2^(23 - ceil(log2 Lmax)) (2^-11 at Lmax 4,096)
-    count as tied. 32-bit keys take half the radix passes of 64-bit ones. The counts are host ints: nothing here
-    waits for the device."""
+    count as tied. 32-bit keys take half the radix passes of 64-bit ones. The counts are host
+    ints: nothing here waits for the device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
     Lmax, device = scores.shape[-1], scores.device
     widths = [min(b, c) for b, c in zip(budget, context)]
