@@ -150,7 +150,8 @@ class LLM:
                     model=str(self.model_path), device=str(self.device), dtype=self.dtype,
                     compile=compile, cuda_graphs=cuda_graphs, runner_class=runner_class,
                     **spec_kwargs))
-                weakref.finalize(self, self.workers.close)
+                # stops them once: at `close()` or when this LLM goes (or the process exits)
+                self._stop_workers = weakref.finalize(self, self.workers.close)
                 port = self.workers.port
             self.device = rank_device(self.device, rank)
             init_rank(rank, tensor_parallel, port, self.device)
@@ -306,7 +307,7 @@ class LLM:
     def close(self) -> None:
         """Stop the worker ranks (tensor_parallel > 1); a no-op otherwise."""
         if self.workers is not None:
-            self.workers.close()
+            self._stop_workers()
             self.workers = None
 
     def _output(self, seq: Sequence, prompt: str) -> RequestOutput:
