@@ -53,6 +53,12 @@ class RunStats:
     graphs_recorded: int = 0                  # CUDA graphs recorded (cuda_graphs=True)
     graph_record_seconds: float = 0.0         # ... and the wall time that took (in `seconds`)
     graph_record_compile_seconds: float = 0.0  # ... of which torch.compile compiled
+    # the host's share of `seconds`, by phase of the loop: choosing the works, launching their
+    # step (graph recording included), processing a step's results, and of that waiting for them
+    schedule_seconds: float = 0.0
+    launch_seconds: float = 0.0
+    process_seconds: float = 0.0
+    result_wait_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -166,12 +172,15 @@ class Engine:
         while self.scheduler.has_work() or in_flight is not None:
             scheduled = time.perf_counter()
             works = self.scheduler.schedule(step) if self.scheduler.has_work() else []
+            planned = time.perf_counter()
+            self.stats.schedule_seconds += planned - scheduled
             # a decoding request with no work and no result in flight waits for its verify slot
             waiting = any(s.status == Status.RUNNING for s in self.scheduler.running)
             if not works and in_flight is None and not waiting:
                 raise RuntimeError("scheduler made no progress: no request could be scheduled")
             launched = (self.runner.launch(works, self.scheduler.batch_growth()) if works
                         else None)
+            self.stats.launch_seconds += time.perf_counter() - planned
             if launched is not None:
                 self._record_step(step, works, scheduled)
             # delayed verification: step t-1 is processed while step t runs
@@ -211,7 +220,9 @@ class Engine:
 
     # --- host bookkeeping of one step's results -------------------------------------------
     def _process(self, result: StepResult) -> None:
+        start = time.perf_counter()
         got = result.fetch()
+        self.stats.result_wait_seconds += time.perf_counter() - start
         refresh = []   # (index in result, request) whose critical positions change
         for i, w in enumerate(result.verify_works):
             seq = w.seq
@@ -238,6 +249,7 @@ class Engine:
             if seq.status != Status.FINISHED:
                 refresh.append((i, seq))
         self._refresh_drafting_state(result, refresh)
+        self.stats.process_seconds += time.perf_counter() - start
 
     def _commit(self, seq: Sequence, new_tokens: list[int], accepted: int) -> None:
         committed, reason = [], None

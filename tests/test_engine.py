@@ -413,3 +413,31 @@ def test_fetch_returns_the_step_results_and_waits_for_that_step_only(device):
         torch.cuda.synchronize()
     assert got == {"num_accepted": [2, 0], "next_token": [7, 9], "is_bonus": [False, True],
                    "draft_tokens": [[3, 4], [5, 0]]}
+
+
+@pytest.mark.parametrize("phase", ["schedule", "launch", "process"])
+def test_host_time_is_counted_in_the_phase_that_spends_it(tiny_qwen3, prompts, monkeypatch, phase):
+    """`RunStats` splits the loop's wall time by phase: a 30 ms delay added to one phase's every call shows up there
+    alone, and the phases (waiting for results inside `process`) fit in the run's seconds."""
+    import time
+
+    from nano_sparsespec.async_loop import Engine
+    from nano_sparsespec.runner import ModelRunner
+    from nano_sparsespec.scheduler import Scheduler
+
+    owner, name = {"schedule": (Scheduler, "schedule"), "launch": (ModelRunner, "launch"),
+                   "process": (Engine, "_refresh_drafting_state")}[phase]
+    original = getattr(owner, name)
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.03)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, slowed)
+    llm, _ = run(tiny_qwen3[0], prompts[:2], method="pillar", stride=4, async_verify=True, batch_policy="balanced")
+    stats = llm.last_stats
+    spent = {"schedule": stats.schedule_seconds, "launch": stats.launch_seconds, "process": stats.process_seconds}
+    calls = stats.steps             # each launched step is scheduled, launched and processed once
+    assert spent[phase] >= 0.03 * calls > 0
+    assert all(seconds < 0.03 * calls for other, seconds in spent.items() if other != phase)
+    assert sum(spent.values()) <= stats.seconds and stats.result_wait_seconds <= stats.process_seconds
