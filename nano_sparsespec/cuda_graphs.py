@@ -79,14 +79,14 @@ class StaticStep:
     def run(self, packed: Packed, names: list[str]):
         """The step's outputs: copy its lists in (one device copy), then replay the graph.
 
-        The graph is recorded the first time. On a CPU it runs `compute` eagerly on the same padded
-        inputs, after the same warm-up run a recording makes first, so that the CPU tests check
-        what a recording relies on."""
+        The graph is recorded the first time. On a CPU, or with `StepGraphs.record` off, it runs
+        `compute` eagerly on the same padded inputs, after the same warm-up run a recording makes
+        first, so that the CPU tests check what a recording relies on."""
         layout = _layout(packed, names)
         if layout != self.layout:       # a bucket must fix the step's every list and its length
             raise RuntimeError(f"step lists {layout} do not fit the static step's {self.layout}")
         self.inputs.copy_(packed.flat[:self.inputs.shape[0]])
-        if self.inputs.device.type != "cuda":
+        if self.inputs.device.type != "cuda" or not self.graphs.record:
             if not self.warmed_up:
                 self._warm_up()
             return self._compute()
@@ -186,6 +186,9 @@ class StepGraphs:
         self.record_seconds = 0.0            # wall time spent recording graphs (once, at start-up)
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
         self.on_record: Callable | None = None   # on_record(bucket) before a bucket is recorded
+        # False: padded steps run eagerly, as on a CPU (the same kernels a replay runs, launched
+        # from Python, so that hooks see each step: tools.parity)
+        self.record = True
 
     def bucket(self, shape, growth: float = 1.0):
         """The bucket a step is padded to: its own (`rounded`), or a recorded one that covers it

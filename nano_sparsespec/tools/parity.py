@@ -3,11 +3,13 @@ verification row compute, bit for bit, what the plain decode step computes for i
 
 Each prompt is decoded twice, alone: plain greedy, then greedy with a drafter. Forward hooks keep,
 per position, what every layer's pieces produce (the input of the qkv projection, the qkv
-projection, attention, the output projection, the MLP's two projections, the final hidden state).
+projection, attention, the output projection, the MLP's two projections, the final hidden state)
+for the rows that attend densely (decode, verification; not padding, not sparse drafts).
 For each verification row whose input token equals plain decoding's, the tool names the first
 piece, in the order the forward runs them, whose bits differ from the decode row's: the operation
 that breaks parity (everything after it differs because it did). Greedy speculation is lossless
-in a dtype exactly when no row has one.
+in a dtype exactly when no row has one. With `--cuda-graphs` (and `--compile`) the fast path's
+padded steps run unrecorded, so that the hooks see them: the same kernels a replay runs.
 
 With `--outputs` it checks whole generations instead: plain greedy decoding of a batch of
 reasoning prompts, then every drafter with naive batching and with balanced batching and delayed
@@ -23,6 +25,7 @@ import torch
 
 from ..config import SamplingParams
 from ..llm import DTYPES, LLM, read_prompts_file
+from ..runner import ModelRunner
 from .acceptance import BUILTIN_PROMPTS
 from .rows import DEFAULT_PROMPTS
 
@@ -31,18 +34,40 @@ PIECES = (("qkv_in", "self_attn.qkv_proj", "input"), ("qkv", "self_attn.qkv_proj
           ("gate_up", "mlp.gate_up_proj", "output"), ("down", "mlp.down_proj", "output"))
 
 
-def record_rows(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], dict]:
-    """Generate for `prompt` alone, keeping each forward's rows -> (token ids, {(piece, position,
-    rows in the forward): row}). The forward's rows tell decode rows (1) from verification rows
-    (k + 1)."""
+class UnrecordedRunner(ModelRunner):
+    """The model runner with its padded static steps run eagerly, unrecorded (`StepGraphs.record`
+    off): Python hooks then see the fast path's every step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.graphs is not None:
+            self.graphs.record = False
+
+
+def dense_rows(positions: list[int], ctx) -> dict[int, tuple[int, int]]:
+    """A forward's rows that attend densely -> {token row: (position, query rows of its request)}.
+    The query rows tell decode rows (1) from verification rows (k + 1); padding rows (not valid)
+    and sparse drafts (not in the dense batch) are left out."""
+    if ctx is None or ctx.dense is None:
+        return {}
+    found = {}
+    for indices, valid in zip(ctx.dense.q_index.tolist(), ctx.dense.q_valid.tolist()):
+        found.update({i: (positions[i], sum(valid)) for i, ok in zip(indices, valid) if ok})
+    return found
+
+
+def record_rows(llm: LLM, prompt: str | list[int], params: SamplingParams
+                ) -> tuple[list[int], dict]:
+    """Generate for `prompt` (text or token ids) alone, keeping each forward's dense rows ->
+    (token ids, {(piece, position, query rows of its request): row}) (`dense_rows`)."""
     rows, forward, hooks = {}, {}, []
 
     def keep(name, tensor):
-        for i, p in enumerate(forward["positions"]):
-            rows[name, p, len(forward["positions"])] = tensor[i].detach().clone()
+        for i, (position, queries) in forward["rows"].items():
+            rows[name, position, queries] = tensor[i].detach().clone()
 
     def start(module, args):
-        forward["positions"] = args[1].tolist()
+        forward["rows"] = dense_rows(args[1].tolist(), args[2] if len(args) > 2 else None)
     hooks.append(llm.model.register_forward_pre_hook(start))
     for layer_id, layer in enumerate(llm.model.layers):
         for piece, path, which in PIECES:
@@ -53,7 +78,9 @@ def record_rows(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int
                 keep(name, args[0] if which == "input" else out)))
     hooks.append(llm.model.register_forward_hook(lambda m, args, out: keep("final hidden", out)))
     try:
-        return llm.generate(prompt, params)[0].token_ids, rows
+        if isinstance(prompt, str):
+            return llm.generate(prompt, params)[0].token_ids, rows
+        return llm.generate(None, params, prompt_token_ids=[prompt])[0].token_ids, rows
     finally:
         for hook in hooks:
             hook.remove()
@@ -85,6 +112,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def check_rows(args, options: dict) -> None:
     """Per verification row: the first piece whose bits differ from the decode row's."""
+    options = dict(options, runner_class=UnrecordedRunner)
     plain = LLM(args.model, method="plain", **options)
     spec = LLM(args.model, method=args.methods[0], batch_policy="naive", **options)
     order = pieces_in_order(plain.model.config.num_layers)
@@ -95,9 +123,10 @@ def check_rows(args, options: dict) -> None:
         spec_tokens, spec_rows = record_rows(spec, prompt, params)
         identical += plain_tokens == spec_tokens
         total.update(compare(plain_rows, spec_rows, order))
-    print(f"{args.methods[0]}, {args.dtype}, {args.device}: {identical} / {args.prompts} outputs "
-          f"identical to plain decoding; {total[None]} / {sum(total.values())} verification "
-          f"rows bit-identical to their decode rows")
+    path = ", cuda_graphs" * args.cuda_graphs + ", compile" * args.compile
+    print(f"{args.methods[0]}, {args.dtype}, {args.device}{path}: {identical} / {args.prompts} "
+          f"outputs identical to plain decoding; {total[None]} / {sum(total.values())} "
+          f"verification rows bit-identical to their decode rows")
     for piece, count in total.most_common():
         if piece is not None:
             print(f"  first difference in {piece}: {count} rows")
@@ -142,9 +171,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
-    if not args.outputs and (args.cuda_graphs or args.compile):
-        parser.error("the per-row check reads each forward's rows from Python hooks: it runs "
-                     "eagerly (--cuda-graphs and --compile go with --outputs)")
     options = dict(device=args.device, dtype=args.dtype, gguf=args.gguf,
                    cuda_graphs=args.cuda_graphs, compile=args.compile)
     (check_outputs if args.outputs else check_rows)(args, options)
