@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests decoding at once (default: %(default)s)")
     add("--compile", action="store_true",
         help="torch.compile the attention kernels and fuse elementwise ops (default: off)")
+    add("--exact", action="store_true",
+        help="with --compile --cuda-graphs on a GPU: the paged attention kernel computes every "
+             "row as in any other step, so greedy speculation is exact in bfloat16 too (slower "
+             "kernel; the other paths always are) (default: off)")
     add("--cuda-graphs", action="store_true",
         help="replay decode steps as CUDA graphs (the fast GPU path; on a CPU: padded steps, no "
              "gain) (default: off)")
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         say(f"loading {args.model} on {args.device or default_device()} ...")
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
-                  cuda_graphs=args.cuda_graphs, gguf=args.gguf,
+                  exact=args.exact, cuda_graphs=args.cuda_graphs, gguf=args.gguf,
                   tensor_parallel=args.tensor_parallel, **vars(spec))
         say(f"ready in {time.perf_counter() - start:.1f} s")
     except (ValueError, OSError) as e:

@@ -9,7 +9,9 @@ Owns
     (a GPU with CUDA graphs) dense decoding and verification read the paged pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
-    chunks that are merged by their log-sum-exps), and `column_scores`: a verification's
+    chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows, every step cuts
+    and visits a context alike, so a verification row gets its decode row's bits, and greedy
+    speculation stays lossless in bfloat16), and `column_scores`: a verification's
     PillarAttn scores as a second flex_attention pass with queries and keys swapped, from the
     rows' log-sum-exps (the probabilities are never in memory). `paged_dense` runs three pieces,
     each compiled as a whole graph (no graph break: a break's resume function recompiles).
@@ -29,12 +31,20 @@ from . import attention, model, verifier
 from .attention import AttentionContext, pack_groups, unpack_groups
 from .pillar_attn import pillar_scores
 
-# The paged kernel cuts contexts into chunks of at most this many positions, each a CTA's work.
+# The paged kernel cuts every context at the same positions into chunks of this many positions,
+# each a CTA's work; with exact rows (`compile_kernels(exact=True)`) chunks grow so that the
+# longest context the block tables hold needs at most MAX_CHUNKS of them.
 PAGED_CHUNK = 512
+MAX_CHUNKS = 16
 # Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
 # math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
-# head need the third to keep the loads streaming (BENCHMARKS.md, kernel settings).
-PAGED_KERNEL_OPTIONS = {"num_stages": 3, "num_warps": 2}
+# head need the third to keep the loads streaming (BENCHMARKS.md, kernel settings). One CTA per
+# chunk: by default the kernel splits a context further, by a count chosen from the batch size.
+PAGED_KERNEL_OPTIONS = {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 1}
+# Whether the paged kernel computes a row with the same arithmetic in every step, whatever the
+# rows beside it (`compile_kernels(exact=True)`): every step cuts contexts into the same chunks
+# (`exact_chunks`) and lists no block full (`paged_block_mask`). It costs speed (BENCHMARKS.md).
+exact_rows = False
 # The swapped score pass (`column_scores`): positions per query tile, verification rows per key
 # block (a verification has G x (k + 1) rows per KV head, 27 for the embedded model), and its
 # Triton settings (one key block of rows a tile: nothing to pipeline; two warps suit the small
@@ -47,12 +57,12 @@ SCORE_KERNEL_OPTIONS = {"BLOCK_M": SCORE_TILE, "BLOCK_N": SCORE_ROWS, "num_stage
 SCORE_VALUE_DIM = 16
 
 
-def compile_fast_path(device: torch.device, cuda_graphs: bool) -> None:
+def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = False) -> None:
     """What `LLM(compile=True)` switches on for every model in this process: the compiled
-    attention kernels (on a GPU with CUDA graphs, the paged kernel), the layers' fused elementwise
-    pieces, and fused sampling and verification."""
+    attention kernels (on a GPU with CUDA graphs, the paged kernel, with `exact` rows), the
+    layers' fused elementwise pieces, and fused sampling and verification."""
     use_project_compile_cache()
-    compile_kernels(paged=device.type == "cuda" and cuda_graphs)
+    compile_kernels(paged=device.type == "cuda" and cuda_graphs, exact=exact)
     model.compile_elementwise()
     verifier.compile_sampling()
 
@@ -70,12 +80,16 @@ def use_project_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torch-compile")
 
 
-def compile_kernels(paged: bool = False) -> None:
+def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions of the K/V write, the score pass and the draft branch
     (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
     dense path: its attention and swapped score pass for static shapes (as flex_attention's
     decoding kernel wants: one compilation per batch class, query rows and chunk count; the score
-    pass per batch class and context), the score pass's inputs for a dynamic batch and context."""
+    pass per batch class and context), the score pass's inputs for a dynamic batch and context.
+    With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
+    other step (`exact_rows`): a verification row gets its decode row's bits."""
+    global exact_rows
+    exact_rows = paged and exact
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
@@ -108,6 +122,8 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]]):
 
 
 def use_eager_kernels() -> None:
+    global exact_rows
+    exact_rows = False
     attention._kernels.update(attention.EAGER_KERNELS)
     _paged.update(PAGED_PIECES)
 
@@ -128,30 +144,44 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
     if d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return
     (_, _, mask, _), = d.runs
-    # every context cut at the same positions; as many chunks as the longest context of the batch
-    # needs, rounded up to a power of two (at most what the longest possible one needs): the
-    # kernel is compiled for a few chunk counts per batch, not for every context length
-    chunk = max(1, PAGED_CHUNK // ctx.block_size)                       # blocks per chunk
-    needed = -(-d.block_table.shape[1] // chunk)
-    splits = min(1 << (needed - 1).bit_length(),
-                 -(-ctx.context_capacity // (chunk * ctx.block_size)))
+    capacity = max(ctx.context_capacity // ctx.block_size, d.block_table.shape[1])     # blocks
+    if exact_rows:
+        chunk, splits = exact_chunks(capacity, ctx.block_size)
+    else:
+        # as many chunks as the longest context of the batch needs, rounded up to a power of two
+        # (at most what the longest possible one needs): a few compilations per batch class
+        chunk = max(1, PAGED_CHUNK // ctx.block_size)                   # blocks per chunk
+        needed = -(-d.block_table.shape[1] // chunk)
+        splits = min(1 << (needed - 1).bit_length(), -(-capacity // chunk))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
-                                    ctx.k_cache.shape[1], group, chunk, splits)
+                                    ctx.k_cache.shape[1], group, chunk, splits,
+                                    full_blocks=not exact_rows)
+
+
+def exact_chunks(capacity: int, block_size: int) -> tuple[int, int]:
+    """(blocks per chunk, chunks) that cut any context of up to `capacity` blocks at the same
+    positions, in a count of chunks fixed for every step (`merge_chunks` of two counts can
+    round differently once compiled)."""
+    chunk = max(PAGED_CHUNK // block_size, -(-capacity // MAX_CHUNKS), 1)
+    return chunk, -(-capacity // chunk)
 
 
 def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_slots: int,
-                     group: int, chunk: int | None = None, splits: int = 1):
+                     group: int, chunk: int | None = None, splits: int = 1,
+                     full_blocks: bool = True):
     """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly
     mask[b, q, :].
 
     block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B]; q_valid: [B, Q] bool.
     The key/value sequence is one layer's whole pool (pool_slots positions, shared by all
-    requests). Each request lists its pool blocks: `full` ones (every real row sees all of it) and
-    `partial` ones (the causal edge), where `visible` evaluates the mask's rule from the position:
-    `rank` is a pool block's number within its request, `owner` the request (checked, so the rule
-    holds over the whole pool). The padding requests of a padded step all list the scratch block,
-    which gets one owner: the others see nothing, and their rows are discarded. Built on the
-    device, no host sync.
+    requests). Each request lists the pool blocks it uses, in table order, where `visible`
+    evaluates the mask's rule from the position: `rank` is a pool block's number within its
+    request, `owner` the request (checked, so the rule holds over the whole pool). With
+    `full_blocks` the blocks that every real row sees whole are listed `full`, where the kernel
+    skips the rule; it visits them after the others, on a second path that can round differently,
+    so a row's bits then depend on the rows beside it. The padding requests of a padded step all
+    list the scratch block, which gets one owner: the others see nothing, and their rows are
+    discarded. Built on the device, no host sync.
     With `chunk` each context is cut into `splits` chunks of `chunk` blocks (at least enough for
     the context; the last ones may be empty), each seen as a request of its own (entry
     b * splits + s is chunk s of request b; `paged_attention` merges them): the decoding kernel
@@ -165,8 +195,12 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     if splits * chunk < nb:
         raise ValueError(f"{splits} chunks of {chunk} blocks do not cover {nb} blocks")
     seen = mask.view(B, Q, nb, block_size)
+
+    def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
+        return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
+
     used = seen.any(-1).any(1)                                         # [B, nb]
-    full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1)         # [B, nb]
+    full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1) & full_blocks          # [B, nb]
     target = torch.where(used, block_table, pool_blocks).flatten()     # unused: a dump entry
     rank = torch.zeros(pool_blocks + 1, dtype=torch.long, device=mask.device)
     rank.scatter_(0, target, torch.arange(nb, device=mask.device).repeat(B))
@@ -179,9 +213,6 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
         return ((owner[block] == request) & (rank[block] // chunk == b % splits)
                 & (position <= q_start[request] + row) & (q_valid[request, row] | (position == 0)))
 
-    def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
-        return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
-
     # [B, nb] bool -> counts [B*S, 1, 1], block ids first [B*S, 1, 1, pool_blocks]
     def listed(which):
         which, table = by_chunk(which), by_chunk(block_table)
@@ -193,7 +224,8 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
         return which.sum(1, dtype=torch.int32)[:, None, None], ids
 
     q_tile = -(-group * Q // 128) * 128
-    return BlockMask.from_kv_blocks(*listed(used & ~full), *listed(full),
+    return BlockMask.from_kv_blocks(*listed(used & ~full),
+                                    *(listed(full) if full_blocks else (None, None)),
                                     BLOCK_SIZE=(q_tile, block_size),
                                     mask_mod=visible, seq_lengths=(group * Q, pool_slots),
                                     compute_q_blocks=False)
@@ -243,9 +275,8 @@ def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
 
     The G query heads of a KV head are packed into G x Q rows, so flex_attention sees one query
     head per KV head and can use its decoding kernel (which wants a power-of-two group). A block
-    mask made with splits S > 1 has B * S entries, one per chunk of a context: the chunks' outputs
-    are averaged weighted by the softmax of their log-sum-exps, which is attention over the whole
-    context."""
+    mask made with splits S > 1 has B * S entries, one per chunk of a context, which
+    `merge_chunks` folds into attention over the whole context."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     B, Q = q.shape[:2]
@@ -253,20 +284,36 @@ def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
     keys, values = k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None]
     packed = pack_groups(q, k_layer.shape[1])                          # [B, n_kv, G*Q, D]
     splits = block_mask.kv_num_blocks.shape[0] // B
-    if splits == 1 and not with_lse:   # (torch's CPU compiler returns no log-sum-exp)
+    if splits == 1 and not with_lse and q.device.type == "cpu":
+        # torch's CPU compiler returns no log-sum-exp (the CPU runs the paged path in tests only)
         return unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask,
                                             kernel_options=kernel_options), Q)
     out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values,
                               block_mask=block_mask, return_aux=AuxRequest(lse=True),
                               kernel_options=kernel_options)
-    lse = aux.lse.view(B, splits, *packed.shape[1:3])                  # [B, S, n_kv, G*Q]
-    if splits > 1:
-        # a row that sees nothing (a padding request's) has no finite lse: weight 0
-        weight = lse.softmax(dim=1).nan_to_num()
-        # [B, n_kv, G*Q, D]
-        out = (out.view(B, splits, *packed.shape[1:]).float() * weight[..., None]).sum(1)
+    out, lse = merge_chunks(out.view(B, splits, *packed.shape[1:]),
+                            aux.lse.view(B, splits, *packed.shape[1:3]))
     out = unpack_groups(out.to(q.dtype), Q)
-    return (out, lse.logsumexp(dim=1)) if with_lse else out
+    return (out, lse) if with_lse else out
+
+
+def merge_chunks(out, lse):
+    """Attention over whole contexts from that over their chunks: out [B, S, H, R, D], lse
+    [B, S, H, R] (-inf: the chunk's row sees nothing) -> out [B, H, R, D] float32 and lse
+    [B, H, R] (-inf for a row that sees nothing, whose output is 0).
+
+    The chunks are weighted by the softmax of their log-sum-exps, summed one after the other in
+    chunk order: elementwise operations only, so that a row's result does not depend on the
+    kernel's shape (a reduction's order can), and empty chunks add exact zeros."""
+    top = lse.amax(1)                                                  # [B, H, R]
+    top = torch.where(top == float("-inf"), 0.0, top)
+    total = torch.zeros_like(top)
+    merged = torch.zeros(out[:, 0].shape, dtype=torch.float32, device=out.device)
+    for s in range(lse.shape[1]):
+        weight = torch.exp(lse[:, s] - top)                            # [B, H, R]
+        total = total + weight
+        merged = merged + weight[..., None] * out[:, s].float()
+    return merged / torch.where(total == 0, 1.0, total)[..., None], top + total.log()
 
 
 def column_scores(q, keys, q_start, score_weight, lse):

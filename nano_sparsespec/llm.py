@@ -114,7 +114,10 @@ class LLM:
     torch.compiles the attention kernels (on a GPU with `cuda_graphs`, dense decoding and
     verification attention read the paged pool in place) and fuses each layer's elementwise
     pieces, sampling and verification; `cuda_graphs=True` pads decode steps to bucket shapes and
-    replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only).
+    replays them as CUDA graphs (cuda_graphs.py; on a CPU it pads only). With both on a GPU,
+    `exact=True` makes the paged kernel compute every row as it does in any other step, so that
+    greedy speculation stays lossless in bfloat16 too (the eager and graph paths always do; it
+    costs the paged kernel speed: BENCHMARKS.md).
     `tensor_parallel=N` splits the model over N ranks (tensor_parallel.py): this process is rank
     0, and the LLM spawns ranks 1..N-1 (`rank` and `port` are theirs to set); `close()` stops
     them.
@@ -122,6 +125,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str | torch.dtype | None = None, compile: bool = False,
+                 exact: bool = False,
                  cuda_graphs: bool = False, gguf: str | None = None,
                  runner_class: type[ModelRunner] = ModelRunner, tensor_parallel: int = 1,
                  rank: int = 0, port: int | None = None, **spec_kwargs):
@@ -148,7 +152,8 @@ class LLM:
             if rank == 0:
                 self.workers = Workers(tensor_parallel, dict(
                     model=str(self.model_path), device=str(self.device), dtype=self.dtype,
-                    compile=compile, cuda_graphs=cuda_graphs, runner_class=runner_class,
+                    compile=compile, exact=exact, cuda_graphs=cuda_graphs,
+                    runner_class=runner_class,
                     **spec_kwargs))
                 # stops them once: at `close()` or when this LLM goes (or the process exits)
                 self._stop_workers = weakref.finalize(self, self.workers.close)
@@ -166,7 +171,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if compile:
-            kernels.compile_fast_path(self.device, cuda_graphs)
+            kernels.compile_fast_path(self.device, cuda_graphs, exact)
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:

@@ -191,7 +191,8 @@ def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
                                                                num_kv_heads=2, head_dim=16, intermediate_size=128,
                                                                vocab_size=300, tie_word_embeddings=True))
     switched = []
-    monkeypatch.setattr(bench.kernels, "compile_fast_path", lambda device, graphs: switched.append((device, graphs)))
+    monkeypatch.setattr(bench.kernels, "compile_fast_path",
+                        lambda device, graphs, exact: switched.append((device, graphs)))
     argv = ["--profile-steps", "--profile-shapes", "1x32", "--profile-models", "qwen3-tiny", "--stride", str(K),
             "--min-budget", "8", "--profile-reps", "1", "--device", "cpu", "--threads", "1",
             "--json-out", str(tmp_path / "p.json")]

@@ -180,19 +180,22 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     assert worst["scores"] < 1e-6, worst
 
 
-@pytest.mark.parametrize("chunk", [kernels.PAGED_CHUNK, 16])
-def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
+@pytest.mark.parametrize("chunk,exact", [(kernels.PAGED_CHUNK, False), (16, False), (kernels.PAGED_CHUNK, True)])
+def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exact):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
     plain decoding on it, with every context cut at the same positions into chunks of PAGED_CHUNK positions (these
     contexts lie in the first) or of one block, merged by their logsumexps. The number of chunks is a power of two
-    (a few compilations cover every context length)."""
+    (a few compilations cover every context length); with exact rows, every step cuts the longest context the block
+    tables hold (33 blocks of 16) into 2 chunks, and lists no block full."""
     monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
-    calls, splits = [], []
+    monkeypatch.setattr(kernels, "exact_rows", exact)
+    calls, splits, full_lists = [], [], []
 
     def counted(out, q, q_index, k_layer, v_layer, block_mask, *scored):
         calls.append(q_index.shape[1])                  # query rows per request: 1 plain decoding, k + 1 verification
         splits.append(block_mask.kv_num_blocks.shape[0] // q_index.shape[0])            # chunks per context
+        full_lists.append(block_mask.full_kv_num_blocks is not None)
         scoring.append(bool(scored))
         kernels.paged_dense(out, q, q_index, k_layer, v_layer, block_mask, *scored)
     scoring = []
@@ -205,10 +208,8 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk):
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
     assert {1, 5} <= set(calls) and set(scoring) == {False, True}       # verifications scored by the paged kernel
-    if chunk == 16:                                       # one block per chunk: 16 blocks (256 positions) of bucket
-        assert set(splits) == {16}
-    else:
-        assert set(splits) == {1}
+    assert set(splits) == ({2} if exact else {16} if chunk == 16 else {1})
+    assert set(full_lists) == {not exact}
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):

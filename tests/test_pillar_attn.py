@@ -372,6 +372,51 @@ def test_paged_attention_in_chunks_is_dense_attention(chunk, splits):
     assert torch.equal(out[3], torch.zeros_like(out[3]))        # the other padding request sees nothing
 
 
+def test_exact_rows_list_every_block_for_the_mask_in_table_order():
+    """The decoding kernel visits blocks listed full (seen whole by every row) after the others, on a path whose
+    rounding can differ: for exact rows the block mask lists every used block for the mask, in table order, none
+    full, so that a row sums its context in the same order, with the same arithmetic, whatever rows share its step.
+    Otherwise the blocks before the edge are full."""
+    block, nb, chunk, splits = 4, 6, 2, 3
+    table = torch.tensor([[5, 0, 3, 1, 4, 2]])                       # one request, 6 blocks in 3 chunks of 2
+    q_start, q_valid = torch.tensor([13]), torch.ones(1, 1, dtype=torch.bool)
+    mask = torch.arange(nb * block)[None, None] <= 13                  # position 13: blocks 0-3, block 3 the edge
+    exact = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits,
+                                     full_blocks=False)
+    assert exact.full_kv_num_blocks is None
+    assert exact.kv_num_blocks.flatten().tolist() == [2, 2, 0]
+    assert exact.kv_indices[:2, 0, 0, :2].tolist() == [[5, 0], [3, 1]]
+    fast = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits)
+    assert fast.full_kv_num_blocks.flatten().tolist() == [2, 1, 0]
+    assert fast.kv_num_blocks.flatten().tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_chunks_merge_alike_whatever_their_count(device):
+    """`merge_chunks` folds a row's chunks one after the other, elementwise: the empty chunks after a row's last (lse
+    -inf, output 0) add exact zeros, so 3 chunks and the same 3 followed by 5 empty ones merge to the same bits, eager
+    and compiled (a kernel for each count); a row that sees nothing comes out 0 with lse -inf."""
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(4, 3, N_KV, 5, D, generator=g).bfloat16().to(device)          # [B, S, H, R, D]
+    lse = (torch.randn(4, 3, N_KV, 5, generator=g) * 4).to(device)
+    lse[:, 2, :, :2] = float("-inf")                                  # rows whose context ends in the second chunk
+    out[:, 2, :, :2] = 0
+    lse[3], out[3] = float("-inf"), 0                                 # a request that sees nothing
+    padded_out = torch.cat([out, out.new_zeros(4, 5, N_KV, 5, D)], 1)
+    padded_lse = torch.cat([lse, lse.new_full((4, 5, N_KV, 5), float("-inf"))], 1)
+    merges = [kernels.merge_chunks]
+    if _compile_available():
+        merges.append(torch.compile(kernels.merge_chunks, dynamic=False))
+    for merge in merges:
+        merged, merged_lse = merge(out, lse)
+        padded, padded_lse_out = merge(padded_out, padded_lse)
+        assert torch.equal(merged, padded) and torch.equal(merged_lse, padded_lse_out)
+        assert torch.equal(merged[3], torch.zeros_like(merged[3])) and (merged_lse[3] == float("-inf")).all()
+        weight = lse[:3].softmax(1).nan_to_num()                                     # the plain formula
+        torch.testing.assert_close(merged[:3], (weight[..., None] * out[:3].float()).sum(1))
+        torch.testing.assert_close(merged_lse[:3], lse[:3].logsumexp(1))
+
+
 def test_model_forward_with_dense_context_matches_full_logits(tmp_path):
     """The cached path through attend() (one prefill request, dense, slots out of order) equals the reference path."""
     from conftest import make_tiny_checkpoint

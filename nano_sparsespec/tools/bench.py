@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the attention kernels and fuse the elementwise ops "
                         "(our rows)")
+    p.add_argument("--exact", action="store_true",
+                   help="with --compile --cuda-graphs: the paged kernel's exact rows")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="our rows and the step profile replay decode steps as CUDA graphs "
                         "(cuda_graphs.py)")
@@ -147,7 +149,7 @@ def _run(args, argv: list[str]) -> int:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} with --profile-steps: "
                              f"the step profile runs on one rank")
         llm = LLM(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
-                  cuda_graphs=args.cuda_graphs, gguf=args.gguf,
+                  exact=args.exact, cuda_graphs=args.cuda_graphs, gguf=args.gguf,
                   tensor_parallel=args.tensor_parallel) \
             if run_rows or "model" in args.profile_models.split(",") else None
     except (ValueError, FileNotFoundError) as e:
@@ -156,7 +158,7 @@ def _run(args, argv: list[str]) -> int:
     device = llm.device if llm is not None else torch.device(args.device or default_device())
     # A profile of Qwen3 shapes alone: the fast path that loading a model switches on.
     if llm is None and args.compile:
-        kernels.compile_fast_path(device, args.cuda_graphs)
+        kernels.compile_fast_path(device, args.cuda_graphs, args.exact)
     dtype = llm.dtype if llm is not None else DTYPES.get(
         args.dtype or "", torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.profile_reps is None:

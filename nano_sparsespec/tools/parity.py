@@ -139,7 +139,8 @@ def check_outputs(args, options: dict) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     plain = [o.token_ids for o in LLM(args.model, method="plain", **options).generate(prompts,
                                                                                        params)]
-    print(f"{args.dtype}, {args.device}, cuda_graphs={args.cuda_graphs}, compile={args.compile}: "
+    print(f"{args.dtype}, {args.device}, cuda_graphs={args.cuda_graphs}, compile={args.compile}, "
+          f"exact={args.exact}: "
           f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy")
     print("| method | batching | identical to plain | mean / min common prefix |")
     print("|---|---|---|---|")
@@ -169,10 +170,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="compare whole generations of a batch instead of rows")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--exact", action="store_true", help="the paged kernel's exact rows")
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
     options = dict(device=args.device, dtype=args.dtype, gguf=args.gguf,
-                   cuda_graphs=args.cuda_graphs, compile=args.compile)
+                   cuda_graphs=args.cuda_graphs, compile=args.compile, exact=args.exact)
     (check_outputs if args.outputs else check_rows)(args, options)
     sys.stdout.flush()
 
