@@ -3,8 +3,9 @@
 `python benchmarks/kernel_row_invariance.py` prints, for the embedded model's matmul shapes, batched 16- and 32-row
 products as in dense attention, and a row reduction as in an RMS norm, whether a row's result changes with the rows
 beside it; `benchmarks/results/parity/h200.txt` holds the H200's answer. This is why batch_invariant.py tiles rows.
-Then the fast path's pieces as `--compile` compiles them: the paged kernel (a verification's row against the decode
-row of its position, over the same pool: 8 chunks of context against 16) and the fused elementwise ops.
+Then the fast path's pieces as `--compile --exact` compiles them: the paged kernel with exact rows (a verification's
+row against the decode row of its position, over the same pool; a decode row in batches of two sizes) and the fused
+elementwise ops.
 """
 import torch
 import torch.nn.functional as F
@@ -37,10 +38,10 @@ report("mean of squares over 576, rows 1..9216 against 16",
 from nano_sparsespec import kernels, model  # noqa: E402  (after the library probes: they need none of it)
 
 if device == "cuda":
-    kernels.compile_kernels(paged=True)
+    kernels.compile_kernels(paged=True, exact=True)
     model.compile_elementwise()
 block, n_kv, G, D = 64, 3, 3, 64                          # the embedded model's heads
-chunk = kernels.PAGED_CHUNK // block
+chunk, splits = kernels.exact_chunks(8192 // block + 1, block)  # its block tables: 8,192 positions + 1 block
 positions = torch.tensor([100, 127, 128, 300, 511, 512, 700, 1000, 2047, 2100, 4000, 4095], device=device)
 B, pool_blocks = positions.numel(), positions.numel() * 72 + 1
 row = torch.arange(B, device=device) % 9                  # the decode row is this row of its request's verification
@@ -49,24 +50,27 @@ table = torch.randperm(pool_blocks - 1, device=device)[:B * 72].view(B, 72)
 q = torch.randn(B * 9, n_kv * G, D, device=device).bfloat16()
 
 
-def paged_rows(Q: int, q_start, blocks: int, queries, with_lse: bool):
+def paged_rows(Q: int, q_start, blocks: int, queries, with_lse: bool, requests: int = B):
     """The paged kernel's output for Q rows a request from q_start, over a table of `blocks` blocks."""
-    q_valid = torch.ones(B, Q, dtype=torch.bool, device=device)
+    q_valid = torch.ones(requests, Q, dtype=torch.bool, device=device)
     seen = torch.arange(blocks * block, device=device)[None, None]
-    mask = seen <= (q_start[:, None] + torch.arange(Q, device=device))[:, :, None]
-    splits = 1 << (-(-blocks // chunk) - 1).bit_length()
-    block_mask = kernels.paged_block_mask(table[:, :blocks].contiguous(), mask, q_start, q_valid, block,
-                                          pool_blocks * block, G, chunk, splits)
-    out = torch.zeros_like(queries)
-    q_index = torch.arange(B * Q, device=device).view(B, Q)
+    mask = seen <= (q_start[:requests, None] + torch.arange(Q, device=device))[:, :, None]
+    block_mask = kernels.paged_block_mask(table[:requests, :blocks].contiguous(), mask, q_start[:requests], q_valid,
+                                          block, pool_blocks * block, G, chunk, splits, full_blocks=False)
+    out = torch.zeros_like(queries[:requests * Q])
+    q_index = torch.arange(requests * Q, device=device).view(requests, Q)
     kernels._paged["attend"](out, queries, q_index, k_pool, v_pool, block_mask, with_lse)
-    return out.view(B, Q, n_kv * G, D)
+    return out.view(requests, Q, n_kv * G, D)
 
 
-decoded = paged_rows(1, positions, 64, q.view(B, 9, -1, D)[torch.arange(B), row].contiguous(), False)[:, 0]
+decode_q = q.view(B, 9, -1, D)[torch.arange(B), row].contiguous()
+decoded = paged_rows(1, positions, 64, decode_q, False)[:, 0]
 verified = paged_rows(9, positions - row, 72, q, True)[torch.arange(B), row]
-report(f"paged kernel{' compiled' if device == 'cuda' else ''}, a verification row against its decode row, contexts "
-       f"{positions.tolist()}", {p: torch.equal(a, b) for p, a, b in zip(positions.tolist(), verified, decoded)})
+kind = f"paged kernel{' compiled' if device == 'cuda' else ''}, exact rows ({splits} chunks of {chunk} blocks)"
+report(f"{kind}, a verification row against its decode row, contexts {positions.tolist()}",
+       {p: torch.equal(a, b) for p, a, b in zip(positions.tolist(), verified, decoded)})
+report(f"{kind}, decode rows in a batch of 3 against 12",
+       {3: torch.equal(paged_rows(1, positions, 64, decode_q, False, requests=3)[:, 0], decoded[:3])})
 x = torch.randn(10, 12, 64, device=device).bfloat16()
 cos, sin = torch.randn(2, 10, 1, 32, device=device).unbind(0)
 report("RoPE, rows 2 against 10", {2: torch.equal(model._ops["apply_rope"](x, cos, sin)[3:5],

@@ -46,7 +46,10 @@ other jobs; yours will differ (by 2x or more on a loaded machine), the shape of 
    last place) and with `batch_invariant.linear` (none differs). A last-place difference matters at a near-tie: at
    logits near 12, neighbouring bfloat16 values lie 0.0625 apart, so one flipped bit can swap the top two tokens,
    and from there the texts part. The engine computes a verification row with a decode row's arithmetic
-   (`batch_invariant.py`; attention in fixed chunks of positions), so the equality holds in bfloat16 too.
+   (`batch_invariant.py`; attention in fixed chunks of positions), so the equality holds in bfloat16 too. The GPU's
+   compiled paged attention (`--compile`) keeps it only with `--exact`: otherwise its kernel visits the blocks a
+   whole row sees on a second code path, after the others, and how many chunks a context is cut into depends on
+   the batch; both change a row's last bits (BENCHMARKS.md, parity: 1 of 30 texts identical against 30 of 30).
 
 5. What a cycle costs, three ways. A cycle of k drafts and one verification writes (accepted + 1) tokens, so
    speculation runs at (accepted + 1) x plain / (k x draft + verification) of plain decoding's speed.
@@ -61,8 +64,8 @@ other jobs; yours will differ (by 2x or more on a loaded machine), the shape of 
    - What an H200 measures (BENCHMARKS.md), with the roofline's verification/plain ratio beside the measured one:
        H200 shape (BENCHMARKS.md)  plain ms  verify/plain: model  measured  draft/plain  accepted  lock-step
        SmolLM2-135M, 128 x 2,048       3.97                 1.0x      6.4x        0.77x      5.27      0.50x
-       SmolLM2-135M, 512 x 4,096      16.25                 1.0x      3.8x        0.28x         6      1.14x
-       SmolLM2-135M, 1,024 x 4,096    30.75                 1.0x      4.0x        0.20x         6      1.25x
+       SmolLM2-135M, 512 x 4,096      15.85                 1.0x      3.8x        0.29x         6      1.15x
+       SmolLM2-135M, 1,024 x 4,096    30.36                 1.0x      3.9x        0.19x         6      1.28x
        Qwen3-8B shape, 64 x 8,000     27.53                 1.0x      3.9x        0.36x         6      1.05x
      (and the balanced and ceiling columns of tutorials 04 and 07). A verification costs 3.8-6.4x a plain step,
      not 1x. The model leaves out the verification's PillarAttn score pass (every layer's keys gathered and read
@@ -193,7 +196,8 @@ def main(argv=None) -> None:
     near = torch.tensor([12.375, 12.4375]).bfloat16()
     print(f"a near-tie: logits {near.tolist()} are neighbouring bfloat16 values; one last-place change swaps the "
           "argmax, and the texts part from that token on. The engine computes a verification row with the decode "
-          "row's arithmetic (batch_invariant.py), so greedy equality holds in bfloat16 too.")
+          "row's arithmetic (batch_invariant.py; compiled on a GPU: --exact), so greedy equality holds in bfloat16 "
+          "too.")
 
     section("5. What a cycle costs: this CPU, the roofline model of an H200, and what an H200 measures")
     tokens = s["tokens_per_verification"]

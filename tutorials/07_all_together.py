@@ -38,7 +38,8 @@ tools, and says how to read their numbers and where to run them for real. Number
    long contexts (pillar-lookup with balanced batching: 1.41x plain at 8 x 4,096 in BENCHMARKS.md).
 
 4. On a GPU: the same commands with --device cuda --dtype bfloat16, plus --cuda-graphs --compile (the fast GPU
-   path: compiled kernels, each decode step replayed as one CUDA graph); a bench run at batch 64 and 2048 new
+   path: compiled kernels, each decode step replayed as one CUDA graph; --exact keeps greedy bfloat16 output
+   bit-identical to plain decoding's, for plain steps ~20% slower); a bench run at batch 64 and 2048 new
    tokens; and `--profile-steps`, which times one plain, one draft and one verification step at given batch x
    context shapes and prints the ceiling there: (accepted + 1) / (k + 1) x a plain step over a plain step with next
    to nothing to attend to. Below 1x, no drafter that runs the model's layers can pay at that shape (the embedded
