@@ -195,10 +195,6 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     if splits * chunk < nb:
         raise ValueError(f"{splits} chunks of {chunk} blocks do not cover {nb} blocks")
     seen = mask.view(B, Q, nb, block_size)
-
-    def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
-        return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
-
     used = seen.any(-1).any(1)                                         # [B, nb]
     full = used & (seen.all(-1) | ~q_valid[:, :, None]).all(1) & full_blocks          # [B, nb]
     target = torch.where(used, block_table, pool_blocks).flatten()     # unused: a dump entry
@@ -212,6 +208,9 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
         position = rank[block] * block_size + kv_idx % block_size
         return ((owner[block] == request) & (rank[block] // chunk == b % splits)
                 & (position <= q_start[request] + row) & (q_valid[request, row] | (position == 0)))
+
+    def by_chunk(x):      # [B, nb] -> [B * splits, chunk] (padding columns: 0 / False)
+        return F.pad(x, (0, splits * chunk - nb)).view(B * splits, chunk)
 
     # [B, nb] bool -> counts [B*S, 1, 1], block ids first [B*S, 1, 1, pool_blocks]
     def listed(which):
@@ -304,7 +303,8 @@ def merge_chunks(out, lse):
 
     The chunks are weighted by the softmax of their log-sum-exps, summed one after the other in
     chunk order: elementwise operations only, so that a row's result does not depend on the
-    kernel's shape (a reduction's order can), and empty chunks add exact zeros."""
+    kernel's shape (a reduction's order can). Compiled for another count of chunks, the trailing
+    empty ones add zeros but the kernel can round differently (`exact_chunks`)."""
     top = lse.amax(1)                                                  # [B, H, R]
     top = torch.where(top == float("-inf"), 0.0, top)
     total = torch.zeros_like(top)
