@@ -83,9 +83,10 @@ def use_project_compile_cache() -> None:
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions of the K/V write, the score pass and the draft branch
     (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
-    dense path: its attention and swapped score pass for static shapes (as flex_attention's
-    decoding kernel wants: one compilation per batch class, query rows and chunk count; the score
-    pass per batch class and context), the score pass's inputs for a dynamic batch and context.
+    dense path: its attention for static shapes (as flex_attention's decoding kernel wants: one
+    compilation per batch class, query rows and chunk count), the swapped score pass and its
+    inputs for a dynamic batch and context (a batch of one request compiles its own: torch
+    specialises sizes 0 and 1).
     With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
     other step (`exact_rows`): a verification row gets its decode row's bits."""
     global exact_rows
@@ -99,10 +100,12 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
         # paged_attend(out, q, ...): token rows T dynamic
         # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse): T, batch
         # and context dynamic
+        # score_pass(scores, keys, rows, shift, q_start, Q): batch and context dynamic
         _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}),
                       score_inputs=_static_but(score_inputs, {0: (0,), 1: (0,), 3: (0, 1),
                                                               5: (0,), 6: (0,)}),
-                      score_pass=torch.compile(score_pass, dynamic=False))
+                      score_pass=_static_but(score_pass, {0: (0, 2), 1: (0, 2), 2: (0,),
+                                                          3: (0,), 4: (0,)}))
         kernels.update(paged=paged_dense, prepare=paged_prepare)
 
 

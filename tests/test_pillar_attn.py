@@ -827,6 +827,35 @@ def test_compiled_score_inputs_serve_every_batch_and_context():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CPU compiler returns no logsumexp")
+def test_compiled_score_pass_serves_every_batch_and_context():
+    """The swapped score pass as `compile_kernels(paged=True)` compiles it equals the eager one for verification
+    batches of other sizes and contexts, from one compilation: growing contexts and changing batches of a run do not
+    recompile it."""
+    from torch._dynamo.utils import counters
+    head_dim, Q, R = 16, 3, kernels.SCORE_ROWS
+    g = torch.Generator().manual_seed(14)
+    cases = []
+    for B, L in ((5, 256), (7, 384), (3, 1024)):
+        keys = torch.randn(B, N_KV, L, head_dim, generator=g).cuda()
+        rows = torch.randn(B, N_KV, R, head_dim, generator=g).cuda()
+        shift = (torch.randn(B, N_KV, R, generator=g) + 5).cuda()
+        q_start = torch.randint(0, L - Q, (B,), generator=g).cuda()
+        expected = torch.empty(B, N_KV, L, device="cuda")
+        kernels.score_pass(expected, keys, rows, shift, q_start, Q)
+        cases.append(((keys, rows, shift, q_start, Q), expected))
+    kernels.compile_kernels(paged=True)
+    counters.clear()
+    try:
+        for args, expected in cases:
+            got = torch.empty_like(expected)
+            kernels._paged["score_pass"](got, *args)
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
+    finally:
+        kernels.use_eager_kernels()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CPU compiler returns no logsumexp")
 def test_compiled_paged_kernel_scores_verifications():
     """Compiled on the GPU, the paged kernel of a verification batch (3 rows a request, contexts cut in two chunks)
     attends as the reference does and scores as `pillar_scores` over the gathered keys."""
