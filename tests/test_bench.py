@@ -98,6 +98,27 @@ def test_compilation_inside_a_timed_run_is_reported(rows_result):
            in report.rows_markdown(result)
 
 
+@pytest.mark.skipif(not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
+                    reason="torch.compile unavailable")
+def test_compilations_are_counted_per_function(rows_result):
+    """`CompiledFrames` counts each compiled function's compilations inside its block (a new static shape compiles
+    anew, a shape met before does not); the rows report lists a row's, the costliest first."""
+    def doubled(x):
+        return x * 2 + 1
+    compiled = torch.compile(doubled, dynamic=False, backend="eager")
+    compiled(torch.ones(2))                                            # before the block: not counted
+    with measure.CompiledFrames() as census:
+        for n in (3, 3, 5):
+            compiled(torch.ones(n))
+    assert list(census.frames) == ["doubled"] and census.frames["doubled"][0] == 2
+    assert census.frames["doubled"][1] > 0
+    result, _ = rows_result
+    assert all(not r.get("compiled_frames") for r in result["rows"])   # nothing compiles without --compile
+    row = {**result["rows"][1], "compiled_frames": {"rope": [1, 0.5], "attend": [3, 4.5]}}
+    assert f"{row['name']}: compilations per function (seconds): attend 3 (4.5), rope 1 (0.5)." \
+        in report.rows_markdown({**result, "rows": [row]})
+
+
 def test_prompt_field_and_outputs(rows_result):
     result, out = rows_result
     assert result["settings"]["prompt_tokens"] == [10, 23]         # "question" field, code points (no tokenizer)

@@ -1,8 +1,9 @@
 """What the benchmark tools measure with: the byte model, peak memory, bandwidth, the machine.
 
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
-position it attends to), `PeakMemory`, the device's copy bandwidth and the roofline peak, and the
-machine and git state a result records; `time_split`, where a forward's time goes.
+position it attends to), `PeakMemory`, `CompiledFrames` (torch.compile's compilations per
+function), the device's copy bandwidth and the roofline peak, and the machine and git state a
+result records; `time_split`, where a forward's time goes.
 """
 from __future__ import annotations
 
@@ -132,6 +133,28 @@ class PeakMemory:
             self._thread.join()
             peak = max(self._max, _rss_bytes())
         self.peak_bytes = max(0, peak - self._start)
+        return False
+
+
+class CompiledFrames:
+    """torch.compile's compilations while the block runs, per compiled function: `frames`
+    {name: [compilations, seconds]} from dynamo's record of each frame it compiled (tracing and
+    code generation, or a cache hit's reload). Where start-up goes: a function is compiled once
+    per shape it is specialised on."""
+
+    def __enter__(self):
+        from torch._dynamo import utils
+        utils.set_compilation_metrics_limit(1 << 20)     # torch keeps the last 64 by default
+        self._before, self.frames = len(utils.get_compilation_metrics()), {}
+        return self
+
+    def __exit__(self, *exc):
+        from torch._dynamo import utils
+        for frame in utils.get_compilation_metrics()[self._before:]:
+            if frame.co_name is not None:
+                entry = self.frames.setdefault(frame.co_name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += frame.entire_frame_compile_time_s or 0.0
         return False
 
 

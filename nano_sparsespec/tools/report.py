@@ -67,6 +67,11 @@ def rows_markdown(result: dict) -> str:
     if compiled:
         lines += ["", "torch.compile compiled during timed runs (in tok/s but for what fell "
                       "inside graph recording): " + ", ".join(compiled) + "."]
+    for r in result["rows"]:
+        frames = sorted(r.get("compiled_frames", {}).items(), key=lambda kv: -kv[1][1])
+        if frames:
+            lines += ["", f"{r['name']}: compilations per function (seconds): " + ", ".join(
+                f"{name} {count} ({seconds:.1f})" for name, (count, seconds) in frames) + "."]
     return "\n".join(lines)
 
 

@@ -34,7 +34,8 @@ from ..config import SamplingParams, SpecConfig
 from ..cuda_graphs import compile_seconds
 from ..device import common_prefix
 from ..llm import LLM
-from .measure import ByteModel, PeakMemory, _left_padded, hf_kv_positions, synchronize
+from .measure import (ByteModel, CompiledFrames, PeakMemory, _left_padded, hf_kv_positions,
+                      synchronize)
 
 DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 
@@ -110,18 +111,19 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
     # its graph's recording, which is taken out of the timed run, and a warm-up's graphs and
     # compiled kernels (specialised on its own smaller KV pool) would not serve the row.
     row_start = time.perf_counter()
-    if not llm.cuda_graphs:
-        short = [replace(p, max_new_tokens=min(p.max_new_tokens, warm_up_tokens(spec.stride)))
-                 for p in params]
-        llm.generate(None, short, prompt_token_ids=token_ids)
-        llm.generate(None, short[:1], prompt_token_ids=token_ids[:1])
-    compiled_before = compile_seconds()
-    with PeakMemory(llm.device) as mem:
-        synchronize(llm.device)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        outputs = llm.generate(None, params, prompt_token_ids=token_ids)
-        synchronize(llm.device)
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    with CompiledFrames() as compiled:
+        if not llm.cuda_graphs:
+            short = [replace(p, max_new_tokens=min(p.max_new_tokens, warm_up_tokens(spec.stride)))
+                     for p in params]
+            llm.generate(None, short, prompt_token_ids=token_ids)
+            llm.generate(None, short[:1], prompt_token_ids=token_ids[:1])
+        compiled_before = compile_seconds()
+        with PeakMemory(llm.device) as mem:
+            synchronize(llm.device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            outputs = llm.generate(None, params, prompt_token_ids=token_ids)
+            synchronize(llm.device)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = llm.last_stats
     errors = [o.error for o in outputs if o.error]
     if errors:
@@ -149,6 +151,8 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             # `seconds`
             "compile_seconds": compile_seconds() - compiled_before,
             "compile_seconds_recording": stats.graph_record_compile_seconds,
+            # the whole row's compilations (warm-ups included) per compiled function
+            "compiled_frames": compiled.frames,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
             "batch_occupancy": batch_occupancy(stats, spec.max_batch),
             "mean_accepted": summary.get("mean_accepted"),
