@@ -113,10 +113,13 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]]):
     """`fn` compiled for static shapes but the dims `dynamic_dims` names (argument index ->
     dims): sizes that vary from step to step (token rows, which also count a step's sparse drafts;
     batch; context) do not recompile it, while the pool's and the heads' sizes stay constants of
-    the kernel (symbolic ones there make every index a runtime division)."""
+    the kernel (symbolic ones there make every index a runtime division).
+    Each tensor goes in as a fresh view (`detach`): the output of another compiled function
+    carries that function's dynamic dims, which would override the static ones here."""
     compiled = torch.compile(fn, dynamic=False)
 
     def run(*args):
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         for i, dims in dynamic_dims.items():
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(args[i], dim)
