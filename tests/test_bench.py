@@ -168,13 +168,14 @@ def test_byte_model_by_hand(tiny_qwen3):
 
 def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys):
     # A random-weight model built from a config (as for the Qwen3-1.7B / 8B shapes), shrunk to test size.
-    monkeypatch.setitem(profile.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+    monkeypatch.setitem(profile.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
                                                                num_kv_heads=2, head_dim=16, intermediate_size=128,
                                                                vocab_size=300, tie_word_embeddings=True))
     out = tmp_path / "p.json"
     argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48,1x600",
             "--profile-models", "model,qwen3-tiny", "--stride", str(K), "--min-budget", "8", "--profile-reps", "1",
-            "--profile-accepted", "1,3", "--device", "cpu", "--threads", "1", "--json-out", str(out)]
+            "--profile-accepted", "1,3", "--device", "cpu", "--threads", "1", "--json-out", str(out),
+            "--profile-kernels", "3"]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["rows"] == []                                       # --profile-steps alone: no rows
@@ -202,13 +203,19 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
             assert e["balanced_at_accepted"][a] == pytest.approx(
                 (int(a) + 1) / (K + 1) * e["plain"]["ms"] / e["mixed"]["ms"], rel=1e-2)   # values rounded to 1e-3
         assert e["plain_breakdown_ms"]["total"] > 0
-    assert "Step profile" in capsys.readouterr().out
+        for kind in ("plain", "draft", "verify", "mixed"):        # on the CPU: operators by their own time
+            top = e["kernels"][kind]["top"]
+            assert len(top) == 3 and top[0]["ms"] >= top[1]["ms"] >= top[2]["ms"] > 0
+            assert e["kernels"][kind]["total_ms"] >= sum(x["ms"] for x in top) and top[0]["calls"] > 0
+        assert "aten::" in e["kernels"]["verify"]["top"][0]["name"]
+    printed = capsys.readouterr().out
+    assert "Step profile" in printed and "Where the device time of a step goes" in printed
 
 
 def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
     """`--compile` profiles the fast path whether or not a model is loaded: with Qwen3 shapes alone (no LLM built)
     the compiled kernels are switched on all the same (else such a profile would time the eager kernels)."""
-    monkeypatch.setitem(profile.QWEN3_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+    monkeypatch.setitem(profile.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
                                                                num_kv_heads=2, head_dim=16, intermediate_size=128,
                                                                vocab_size=300, tie_word_embeddings=True))
     switched = []

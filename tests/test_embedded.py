@@ -281,3 +281,16 @@ def test_resolve_model_path_passes_directories_through(tmp_path):
     assert resolve_model_path(str(tmp_path)) == tmp_path
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         resolve_model_path(str(tmp_path / "no-such-model"))
+
+
+def test_the_profile_shape_of_the_embedded_model_is_its_config(converted_dir):
+    """The step profile's `smollm2-135m` shape (random weights, no files: GPU profiles without staging the model)
+    has the embedded model's config but for the longest context, which the profile sets."""
+    import dataclasses
+    import json
+
+    from nano_sparsespec.config import ModelConfig
+    from nano_sparsespec.tools.profile import shape_config
+    real = ModelConfig.from_dict(json.loads((converted_dir / "config.json").read_text()))
+    shape = shape_config("smollm2-135m", real.max_position_embeddings)
+    assert dataclasses.asdict(shape) == dataclasses.asdict(real)

@@ -21,7 +21,7 @@ from .. import kernels
 from ..config import DRAFT_METHODS, SamplingParams, SpecConfig
 from ..llm import DTYPES, LLM, default_device
 from .measure import byte_model, machine_info, model_label, peak_bandwidth
-from .profile import QWEN3_SHAPES, parse_shapes, run_profile
+from .profile import MODEL_SHAPES, parse_shapes, run_profile
 from .report import plot_rows, profile_markdown, rows_markdown
 from .rows import (DEFAULT_PROMPTS, ROWS, default_kv_blocks, finish_rows, load_workload,
                    parse_rows, run_hf, run_ours, spec_for)
@@ -98,11 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-shapes", default="8x1024,32x4096",
                    help="BATCHxCONTEXT list, e.g. 8x1024,64x8k")
     p.add_argument("--profile-models", default="model,qwen3-1.7b,qwen3-8b",
-                   help="'model' (the --model) and/or Qwen3 shapes with random weights: "
-                        + ",".join(QWEN3_SHAPES))
+                   help="'model' (the --model) and/or model shapes with random weights: "
+                        + ",".join(MODEL_SHAPES))
     p.add_argument("--profile-reps", type=int, default=None,
                    help="steps per timed run of each kind, run back to back as the engine "
                         "runs them; the median of 3 runs counts (default 1 CPU, 10 GPU)")
+    p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                   help="with --profile-steps: the N kernels that take the most device time in "
+                        "each step kind (torch.profiler; on a CPU, operators)")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "
@@ -156,7 +159,7 @@ def _run(args, argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = llm.device if llm is not None else torch.device(args.device or default_device())
-    # A profile of Qwen3 shapes alone: the fast path that loading a model switches on.
+    # A profile of model shapes alone: the fast path that loading a model switches on.
     if llm is None and args.compile:
         kernels.compile_fast_path(device, args.cuda_graphs, args.exact)
     dtype = llm.dtype if llm is not None else DTYPES.get(

@@ -3,8 +3,8 @@ speedup that follows.
 
 Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch`
 requests that each hold `context` cached positions, run through the engine's own `ModelRunner` on
-a KV pool of random K/V, back to back as the engine's loop runs them), Qwen3 shapes with random
-weights, and the speedup models: lock-step, balanced, and the ceiling, `balanced_speedup` over a
+a KV pool of random K/V, back to back as the engine's loop runs them, and where a step's device
+time goes, kernel by kernel), model shapes with random weights, and the speedup models: lock-step, balanced, and the ceiling, `balanced_speedup` over a
 plain step with one block of context (the part of a step that is not attention, which no drafter
 that runs the model's layers undercuts).
 """
@@ -27,20 +27,24 @@ from ..runner import ModelRunner
 from ..scheduler import Sequence, Status, Work
 from .measure import byte_model, model_label, synchronize, time_split
 
-# Qwen3 shapes for the step profile (random weights; no files): the fields that differ.
-QWEN3_SHAPES = {
+# Model shapes for the step profile (random weights; no files): the fields that differ from a
+# Qwen3 model's (QWEN3_FIELDS). smollm2-135m is the embedded model's shape.
+MODEL_SHAPES = {
     "qwen3-1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                        intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                      intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+    "smollm2-135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                         rms_norm_eps=1e-5, rope_theta=1e5, qk_norm=False, eos_token_ids=(2,),
+                         architecture="LlamaForCausalLM"),
 }
+QWEN3_FIELDS = dict(rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True, eos_token_ids=(151645,),
+                    architecture="Qwen3ForCausalLM")
 
 
-
-def qwen3_shape(name: str, max_len: int) -> ModelConfig:
-    return ModelConfig(**QWEN3_SHAPES[name], rms_norm_eps=1e-6, rope_theta=1e6,
-                       max_position_embeddings=max_len, qk_norm=True, eos_token_ids=(151645,),
-                       architecture="Qwen3ForCausalLM")
+def shape_config(name: str, max_len: int) -> ModelConfig:
+    return ModelConfig(**{**QWEN3_FIELDS, **MODEL_SHAPES[name]}, max_position_embeddings=max_len)
 
 
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -215,6 +219,26 @@ class StepProfiler:
             out[kind] = tuple(statistics.median(run[i] for run in measured) for i in (0, 1))
         return out
 
+    def kernel_times(self, kind: str, steps: int, top: int) -> dict:
+        """Where the device time of a `kind` step goes, from torch.profiler over `steps` steps
+        (after `steps` unprofiled ones: graphs recorded) -> {"total_ms": all kernels' own time,
+        "top": the `top` kernels by own time, [{"name", "ms", "calls"}]}, per step. On a CPU,
+        operators instead of kernels."""
+        from torch.profiler import ProfilerActivity, profile
+
+        run, cuda = getattr(self, kind), self.device.type == "cuda"
+        run(steps)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            run(steps)
+        events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
+        own = [(e.self_device_time_total if cuda else e.self_cpu_time_total) / steps / 1e3
+               for e in events]                                            # ms per step
+        ranked = sorted(zip(own, events), key=lambda pair: -pair[0])[:top]
+        return {"total_ms": round(sum(own), 4),
+                "top": [{"name": e.key, "ms": round(ms, 4), "calls": round(e.count / steps, 2)}
+                        for ms, e in ranked]}
+
     def plain_breakdown(self, reps: int) -> dict:
         """Where a plain step's time goes (means over `reps` instrumented steps), in ms."""
         with time_split(self.model, self.device) as t:
@@ -275,11 +299,11 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                 llm = LLM(args.model, device=str(device), dtype=dtype, gguf=args.gguf)
             model, label, loaded = llm.model, f"model ({model_label(llm.model_path)})", True
             cfg = model.config
-        elif name in QWEN3_SHAPES:
-            model, label, loaded, cfg = None, name, False, qwen3_shape(name, max_context)
+        elif name in MODEL_SHAPES:
+            model, label, loaded, cfg = None, name, False, shape_config(name, max_context)
         else:
             raise ValueError(f"unknown profile model {name!r}: "
-                             f"expected 'model' or one of {list(QWEN3_SHAPES)}")
+                             f"expected 'model' or one of {list(MODEL_SHAPES)}")
         built = False
         # batch -> (seconds, host seconds) of a plain step over one block of context at most
         # (`balanced_speedup`)
@@ -345,6 +369,10 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             entry["ceiling_at_accepted"] = {
                 f"{a:g}": round(balanced_speedup(times["plain"], floors[batch][0],
                                                  args.stride, a), 3) for a in accepted}
+            if args.profile_kernels:
+                entry["kernels"] = {kind: prof.kernel_times(kind, args.profile_reps,
+                                                             args.profile_kernels)
+                                    for kind in ("plain", "draft", "verify", "mixed")}
             # A replayed graph runs no Python per module: nothing to split.
             if not args.cuda_graphs:
                 entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)

@@ -124,6 +124,13 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
                      + " | ".join(balanced) +
                      f" | {e['plain_floor']['ms']:.2f} ({e['plain_floor']['host_ms']:.2f}) | "
                      + " | ".join(ceiling) + " |")
+    for e in (e for e in profile if "kernels" in e):
+        lines += ["", f"Where the device time of a step goes, {e['model']} {e['batch']} x "
+                      f"{e['context']} (ms per step; the kernels that take the most, calls per "
+                      f"step):", ""]
+        for kind, k in e["kernels"].items():
+            top = "; ".join(f"{x['name'][:70]} {x['ms']:.3f} ({x['calls']:g})" for x in k["top"])
+            lines.append(f"- {kind}: {k['total_ms']:.2f} in all; {top}")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
         lines += ["", "Where one plain step's time goes "
