@@ -4,9 +4,10 @@ speedup that follows.
 Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch`
 requests that each hold `context` cached positions, run through the engine's own `ModelRunner` on
 a KV pool of random K/V, back to back as the engine's loop runs them, and where a step's device
-time goes, kernel by kernel), model shapes with random weights, and the speedup models: lock-step, balanced, and the ceiling, `balanced_speedup` over a
-plain step with one block of context (the part of a step that is not attention, which no drafter
-that runs the model's layers undercuts).
+time goes, kernel by kernel), model shapes with random weights, and the speedup models:
+lock-step, balanced, and the ceiling, `balanced_speedup` over a plain step with one block of
+context (the part of a step that is not attention, which no drafter that runs the model's layers
+undercuts).
 """
 from __future__ import annotations
 
