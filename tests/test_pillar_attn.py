@@ -764,6 +764,32 @@ def test_compiled_kernels_match_eager():
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
+def test_static_dims_stay_static_for_the_output_of_a_dynamic_function(monkeypatch):
+    """A compiled paged piece (`_static_but`) is specialised on every dim but those it names, also for a tensor that
+    a function compiled for dynamic shapes returned (the rope's q), which carries that function's dynamic dims: the
+    heads and head dim stay constants of the kernel."""
+    import torch._dynamo
+    produce = torch.compile(lambda x: x + 1, dynamic=True, backend="aot_eager")
+    shapes = []
+
+    def backend(gm, example_inputs):                 # the dims the graph was traced with (SymInt: dynamic)
+        shapes.extend(tuple(n.meta["example_value"].shape) for n in gm.graph.nodes
+                      if n.op == "placeholder" and isinstance(n.meta["example_value"], torch.Tensor))
+        return gm.forward
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, backend=backend, **options))
+    consume = kernels._static_but(lambda q: q * 2, {0: (0,)})
+    torch._dynamo.reset()
+    try:
+        consume(produce(torch.randn(5, 3, 4)))
+    finally:
+        torch._dynamo.reset()
+    (tokens, heads, dim), = shapes
+    assert isinstance(tokens, torch.SymInt) and (heads, dim) == (3, 4)
+    assert type(heads) is int and type(dim) is int                                # not SymInts
+
+
+@pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     """The compiled paged kernel (`compile_kernels(paged=True)`, static shapes) writes what the reference writes into
