@@ -11,10 +11,9 @@ Owns
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
     chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows, every step cuts
     and visits a context alike, so a verification row gets its decode row's bits, and greedy
-    speculation stays lossless in bfloat16), and `column_scores`: a verification's
-    PillarAttn scores as a second flex_attention pass with queries and keys swapped, from the
-    rows' log-sum-exps (the probabilities are never in memory). `paged_dense` runs three pieces,
-    each compiled as a whole graph (no graph break: a break's resume function recompiles).
+    speculation stays lossless in bfloat16); a verification's PillarAttn scores come from
+    swapped_scores.py's pass. `paged_dense` runs three pieces, each compiled as a whole graph (no
+    graph break: a break's resume function recompiles).
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from . import attention, model, verifier
 from .attention import AttentionContext, pack_groups, unpack_groups
 from .pillar_attn import pillar_scores
+from .swapped_scores import score_inputs, score_pass
 
 # The paged kernel cuts every context at the same positions into chunks of this many positions,
 # each a CTA's work; with exact rows (`compile_kernels(exact=True)`) chunks grow so that the
@@ -45,16 +45,6 @@ PAGED_KERNEL_OPTIONS = {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 1}
 # rows beside it (`compile_kernels(exact=True)`): every step cuts contexts into the same chunks
 # (`exact_chunks`) and lists no block full (`paged_block_mask`). It costs speed (BENCHMARKS.md).
 exact_rows = False
-# The swapped score pass (`column_scores`): positions per query tile, verification rows per key
-# block (a verification has G x (k + 1) rows per KV head, 27 for the embedded model), and its
-# Triton settings (one key block of rows a tile: nothing to pipeline; two warps suit the small
-# verification batches of balanced steps).
-SCORE_TILE, SCORE_ROWS = 128, 32
-SCORE_KERNEL_OPTIONS = {"BLOCK_M": SCORE_TILE, "BLOCK_N": SCORE_ROWS, "num_stages": 1,
-                        "num_warps": 2}
-# Width of the values of the swapped score pass: only its log-sum-exps are used, and
-# flex_attention's smallest value width keeps the output it writes anyway small.
-SCORE_VALUE_DIM = 16
 
 
 def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = False) -> None:
@@ -240,8 +230,8 @@ def paged_dense(out, q, q_index, k_layer, v_layer, block_mask, scores=None, bloc
                 q_start=None, score_weight=None) -> None:
     """out[q_index] = paged attention of q[q_index]: out, q [T, n_heads, D]; q_index [Bd, Qmax].
     With `scores` [Bd, n_kv, Lmax], also the PillarAttn scores of the rows score_weight [Bd, Qmax]
-    weighs (`column_scores` over the keys of block_table [Bd, Lmax / block]; row q of request b
-    sits at position q_start[b] + q).
+    weighs (swapped_scores.py's pass over the keys of block_table [Bd, Lmax / block]; row q of
+    request b sits at position q_start[b] + q).
     Three pieces (`_paged`), each one graph when compiled: the attention, the score pass's inputs,
     the score pass (its score_mod reads a tensor that must come into its graph from outside)."""
     lse = _paged["attend"](out, q, q_index, k_layer, v_layer, block_mask, scores is not None)
@@ -261,15 +251,6 @@ def paged_attend(out, q, q_index, k_layer, v_layer, block_mask, with_lse: bool):
     attended, lse = attended if with_lse else (attended, None)
     out[q_index.flatten()] = attended.flatten(0, 1)
     return lse
-
-
-def score_inputs(q, q_index, k_layer, block_table, block_size: int, score_weight, lse):
-    """What the score pass reads: the requests' keys head-major [Bd, n_kv, Lmax, D] (block_table
-    [Bd, Lmax / block_size] gathered from the pool in one pass), and `score_rows`."""
-    n_kv, D = k_layer.shape[1:]
-    keys = (k_layer.view(-1, block_size, n_kv, D)[block_table].permute(0, 3, 1, 2, 4)
-            .flatten(2, 3))
-    return (keys, *score_rows(q[q_index], score_weight, lse, n_kv))
 
 
 def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
@@ -320,66 +301,6 @@ def merge_chunks(out, lse):
         total = total + weight
         merged = merged + weight[..., None] * out[:, s].float()
     return merged / torch.where(total == 0, 1.0, total)[..., None], top + total.log()
-
-
-def column_scores(q, keys, q_start, score_weight, lse):
-    """`pillar_scores` without the probabilities in memory: q [B, Q, n_heads, D];
-    keys [B, n_kv, L, D] head-major; row q of request b at position q_start[b] + q;
-    score_weight [B, Q]; lse [B, n_kv, G*Q] the packed rows' log-sum-exps over their attention
-    (`paged_attention`) -> scores [B, n_kv, L] float32.
-
-    A second flex_attention pass with queries and keys swapped: each context position's key is a
-    query that attends to the G*Q packed rows of its KV head under the transposed causal mask. Its
-    score for row r minus (lse_r - log(weight_r / G)) is log(weight_r / G * p_r(position)), so the
-    pass's log-sum-exp is the log of the position's score: the keys are read once, and nothing of
-    size rows x positions is written."""
-    B, n_kv, L = keys.shape[:3]
-    scores = torch.empty(B, n_kv, L, dtype=torch.float32, device=keys.device)
-    score_pass(scores, keys, *score_rows(q, score_weight, lse, n_kv), q_start, q.shape[1])
-    return scores
-
-
-def score_rows(q, score_weight, lse, n_kv: int):
-    """The score pass's keys and shifts: q [B, Q, n_heads, D] packed per KV head and padded to
-    whole key blocks -> rows [B, n_kv, R, D]; each row's shift lse - log(weight / G), +inf for a
-    row of weight 0 (padding, unscored), which then drops out -> shift [B, n_kv, R] float32."""
-    B, Q, H, D = q.shape
-    G = H // n_kv
-    R = -(-G * Q // SCORE_ROWS) * SCORE_ROWS     # rows padded to whole key blocks: the kernel
-    pad = (0, R - G * Q)                          #   reads score_mod's tensor over whole blocks
-    rows = F.pad(pack_groups(q, n_kv), (0, 0) + pad)                        # [B, n_kv, R, D]
-    weight = F.pad(score_weight.float().repeat(1, G), pad)[:, None, :] / G  # [B, 1, R]
-    shift = torch.where(weight > 0, F.pad(lse, pad) - weight.log(), float("inf"))
-    return rows, shift
-
-
-def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
-    """scores [B, n_kv, L] = exp of the log-sum-exp over rows [B, n_kv, R, D] of each key's
-    (keys [B, n_kv, L, D]) score minus the row's shift [B, n_kv, R], row r (query row r % Q)
-    seen by the positions up to q_start[b] + r % Q (`column_scores`)."""
-    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
-
-    B, n_kv, L, D = keys.shape
-    R = rows.shape[2]
-
-    def minus_shift(score, b, h, position, row):
-        return score - shift[b, h, row]
-
-    def seen_by(b, h, position, row):             # the causal mask, transposed
-        return position <= q_start[b] + row % Q
-
-    tiles, row_blocks = -(-L // SCORE_TILE), R // SCORE_ROWS
-    # every tile of positions sees every block of rows, through `seen_by`
-    block_mask = BlockMask.from_kv_blocks(
-        torch.full((B, 1, tiles), row_blocks, dtype=torch.int32, device=keys.device),
-        torch.arange(row_blocks, dtype=torch.int32, device=keys.device).repeat(B, 1, tiles, 1),
-        BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R),
-        compute_q_blocks=False)                   # (the transposed lists serve only a backward)
-    values = rows.new_zeros(B, n_kv, R, SCORE_VALUE_DIM)
-    _, aux = flex_attention(keys, rows, values, score_mod=minus_shift, block_mask=block_mask,
-                            scale=D ** -0.5, return_aux=AuxRequest(lse=True),
-                            kernel_options=SCORE_KERNEL_OPTIONS)
-    scores.copy_(aux.lse.float().exp())
 
 
 # the pieces of `paged_dense`, uncompiled; `compile_kernels(paged=True)` swaps in compiled ones

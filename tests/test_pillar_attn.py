@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from nano_sparsespec import attention, kernels
+from nano_sparsespec import attention, kernels, swapped_scores
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
 from nano_sparsespec.pillar_attn import attention_logits, pillar_scores, select_pillar, select_streaming
@@ -477,12 +477,12 @@ def test_paged_scores_of_every_layer_are_gather_and_sdpa_scores(tmp_path):
     assert (paged[..., 3:] == 0).all()               # nothing beyond the context
 
 
-@pytest.mark.parametrize("rows_per_block", [kernels.SCORE_ROWS, 3])
+@pytest.mark.parametrize("rows_per_block", [swapped_scores.SCORE_ROWS, 3])
 def test_column_scores_are_weighted_probabilities(monkeypatch, rows_per_block):
     """`column_scores` (queries and keys swapped, each row's logsumexp subtracted) equals `pillar_scores`' explicit
     probabilities: rows of weight 0 (padding, an unscored row) drop out, and a padding request whose rows see
     nothing and weigh nothing scores 0, not NaN. The G x Q = 8 rows in one key block, or in three."""
-    monkeypatch.setattr(kernels, "SCORE_ROWS", rows_per_block)
+    monkeypatch.setattr(swapped_scores, "SCORE_ROWS", rows_per_block)
     g = torch.Generator().manual_seed(3)
     B, Q, L = 3, 4, 40
     q = torch.randn(B, Q, H, D, generator=g)
@@ -495,7 +495,7 @@ def test_column_scores_are_weighted_probabilities(monkeypatch, rows_per_block):
     logits = attention_logits(q, k, mask)                                       # [B, n_kv, G, Q, L]
     lse = logits.logsumexp(-1).flatten(2)                                       # [B, n_kv, G*Q]
     lse[2] = float("-inf")                                                      # sees nothing
-    scores = kernels.column_scores(q, k.transpose(1, 2), q_start, weight, lse)
+    scores = swapped_scores.column_scores(q, k.transpose(1, 2), q_start, weight, lse)
     expected = pillar_scores(q, k, mask, weight)
     torch.testing.assert_close(scores[:2], expected[:2], atol=1e-6, rtol=1e-4)
     assert torch.equal(scores[2], torch.zeros(N_KV, L))
@@ -843,7 +843,7 @@ def test_compiled_score_inputs_serve_every_batch_and_context():
             table = torch.randperm(100, generator=g)[:B * blocks].view(B, blocks)
             weight = torch.rand(B, Q, generator=g) * (torch.rand(B, Q, generator=g) > 0.3)
             lse = torch.randn(B, N_KV, G * Q, generator=g)
-            expected = kernels.score_inputs(q, q_index, k_pool, table, block, weight, lse)
+            expected = swapped_scores.score_inputs(q, q_index, k_pool, table, block, weight, lse)
             got = kernels._paged["score_inputs"](q, q_index, k_pool, table, block, weight, lse)
             for got_part, want in zip(got, expected):
                 torch.testing.assert_close(got_part, want)
@@ -858,7 +858,7 @@ def test_compiled_score_pass_serves_every_batch_and_context():
     batches of other sizes and contexts, from one compilation: growing contexts and changing batches of a run do not
     recompile it."""
     from torch._dynamo.utils import counters
-    head_dim, Q, R = 16, 3, kernels.SCORE_ROWS
+    head_dim, Q, R = 16, 3, swapped_scores.SCORE_ROWS
     g = torch.Generator().manual_seed(14)
     cases = []
     for B, L in ((5, 256), (7, 384), (3, 1024)):
@@ -867,7 +867,7 @@ def test_compiled_score_pass_serves_every_batch_and_context():
         shift = (torch.randn(B, N_KV, R, generator=g) + 5).cuda()
         q_start = torch.randint(0, L - Q, (B,), generator=g).cuda()
         expected = torch.empty(B, N_KV, L, device="cuda")
-        kernels.score_pass(expected, keys, rows, shift, q_start, Q)
+        swapped_scores.score_pass(expected, keys, rows, shift, q_start, Q)
         cases.append(((keys, rows, shift, q_start, Q), expected))
     kernels.compile_kernels(paged=True)
     counters.clear()

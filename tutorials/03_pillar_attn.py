@@ -50,8 +50,8 @@ scores [layers, KV heads, positions] and the real selection. Numbers from one de
    each row's log-sum-exp lse(row), and exp(q.k / sqrt(D) - lse(row)) is that row's probability of a position. So
    a second flex_attention pass with queries and keys swapped, each position's key attending to the rows of its KV
    head with lse(row) - log(weight / G) subtracted, has as its log-sum-exp the log of the position's score
-   (`kernels.column_scores`): the keys are read once more and nothing else is written. The script checks it on one
-   random verification (9 rows, 300 positions): largest score 0.012, largest difference 4.0e-09.
+   (`swapped_scores.column_scores`): the keys are read once more and nothing else is written. The script checks it
+   on one random verification (9 rows, 300 positions): largest score 0.012, largest difference 4.0e-09.
 
 With matplotlib: tutorials/out/03_pillar_attn.png, the log scores of four layers (rows: successive captures,
 columns: positions, red ticks: the selected positions) and acceptance against budget. What it shows, honestly: each
@@ -79,7 +79,7 @@ import warnings
 
 import torch
 
-from nano_sparsespec import SamplingParams, attention, kernels, pillar_attn
+from nano_sparsespec import SamplingParams, attention, pillar_attn, swapped_scores
 
 from tutorials._common import PROMPT, load_llm, parser, save_plot, section, start, table, with_spec
 
@@ -120,7 +120,7 @@ def selection_rows(records, layer: int, head: int, width: int) -> list[str]:
 def swapped_pass_difference(seed: int = 0) -> tuple[float, float]:
     """One verification of 9 rows over 300 positions (random queries and keys, 9 query heads on 3 KV heads): the
     PillarAttn scores from explicit probabilities (`pillar_attn.pillar_scores`) against the fast path's swapped pass
-    (`kernels.column_scores`, fed the rows' log-sum-exps as the attention pass returns them) -> (largest score,
+    (`swapped_scores.column_scores`, fed the rows' log-sum-exps as the attention pass returns them) -> (largest score,
     largest absolute difference)."""
     g = torch.Generator().manual_seed(seed)
     rows, heads, kv_heads, dim, context = 9, 9, 3, 64, 300
@@ -133,7 +133,7 @@ def swapped_pass_difference(seed: int = 0) -> tuple[float, float]:
     explicit = pillar_attn.pillar_scores(q, k, mask, weight)                      # [1, kv_heads, context]
     with warnings.catch_warnings():   # uncompiled flex_attention warns that it is not the fused kernel
         warnings.simplefilter("ignore")
-        swapped = kernels.column_scores(q, k.transpose(1, 2), q_start, weight, lse)
+        swapped = swapped_scores.column_scores(q, k.transpose(1, 2), q_start, weight, lse)
     return explicit.max().item(), (swapped - explicit).abs().max().item()
 
 
