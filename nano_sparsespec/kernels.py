@@ -212,8 +212,9 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     def listed(which):
         which, table = by_chunk(which), by_chunk(block_table)
         order = torch.argsort((~which).to(torch.int8), dim=1, stable=True)
-        # BlockMask's contract: one column per KV block (a padded table can be wider than the pool)
-        ids = torch.zeros(B * splits, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)
+        # BlockMask's contract: one column per KV block (a padded table can be wider than the pool);
+        # the kernel reads a row's first `count` columns only, so the rest stay unwritten
+        ids = torch.empty(B * splits, 1, 1, pool_blocks, dtype=torch.int32, device=mask.device)
         width = min(chunk, pool_blocks)
         ids[:, 0, 0, :width] = table.gather(1, order)[:, :width]
         return which.sum(1, dtype=torch.int32)[:, None, None], ids
