@@ -45,6 +45,7 @@ class BucketCounter(ModelRunner):
 
 
 BLOCK_SIZE = 64          # the KV block size of the bench rows
+CONTEXT_CAPACITY = 8192  # positions a block table holds: the embedded model's context length
 
 
 def first_positions(scores, context, budgets):
@@ -58,8 +59,8 @@ def main() -> None:
     path = tempfile.mkdtemp()
     # a one-layer model with the embedded model's context length: buckets depend on nothing else of it
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=8192,
-                                 eos_token_id=255)).save_pretrained(path)
+                                 num_attention_heads=1, num_key_value_heads=1,
+                                 max_position_embeddings=CONTEXT_CAPACITY, eos_token_id=255)).save_pretrained(path)
     async_loop.pillar_attn.top_positions = first_positions
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
               runner_class=BucketCounter, async_verify=policy == "balanced")
@@ -76,13 +77,10 @@ def main() -> None:
 def paged_kernel_shapes(buckets) -> set:
     """The shapes torch.compile specialises the paged kernel on (`kernels.paged_prepare`):
     requests, query rows, chunks of the context, scored or not."""
-    chunk = kernels.PAGED_CHUNK // BLOCK_SIZE
-    shapes = set()
-    for b in buckets:
-        if b.dense_batch and not b.dense_runs:
-            needed = -(-b.dense_blocks // chunk)
-            shapes.add((b.dense_batch, b.dense_queries, 1 << (needed - 1).bit_length(), b.scores))
-    return shapes
+    capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
+    return {(b.dense_batch, b.dense_queries,
+             kernels.paged_chunks(b.dense_batch, b.dense_blocks, capacity, BLOCK_SIZE)[1], b.scores)
+            for b in buckets if b.dense_batch and not b.dense_runs}
 
 
 def score_pass_shapes(buckets) -> set:

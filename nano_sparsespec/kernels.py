@@ -36,6 +36,9 @@ from .swapped_scores import score_inputs, score_pass
 # longest context the block tables hold needs at most MAX_CHUNKS of them.
 PAGED_CHUNK = 512
 MAX_CHUNKS = 16
+# Dense batches of at most this many requests (a balanced step's verifications) cut their
+# contexts into the most chunks, whatever their length (`paged_chunks`).
+SMALL_BATCH = 128
 # Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
 # math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
 # head need the third to keep the loads streaming (BENCHMARKS.md, kernel settings). One CTA per
@@ -141,17 +144,25 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
         return
     (_, _, mask, _), = d.runs
     capacity = max(ctx.context_capacity // ctx.block_size, d.block_table.shape[1])     # blocks
-    if exact_rows:
-        chunk, splits = exact_chunks(capacity, ctx.block_size)
-    else:
-        # as many chunks as the longest context of the batch needs, rounded up to a power of two
-        # (at most what the longest possible one needs): a few compilations per batch class
-        chunk = max(1, PAGED_CHUNK // ctx.block_size)                   # blocks per chunk
-        needed = -(-d.block_table.shape[1] // chunk)
-        splits = min(1 << (needed - 1).bit_length(), -(-capacity // chunk))
+    chunk, splits = (exact_chunks(capacity, ctx.block_size) if exact_rows else
+                     paged_chunks(*d.block_table.shape, capacity, ctx.block_size))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits,
                                     full_blocks=not exact_rows)
+
+
+def paged_chunks(batch: int, blocks: int, capacity: int, block_size: int) -> tuple[int, int]:
+    """(blocks per chunk, chunks) for a dense batch of `batch` requests whose block tables hold
+    `blocks` blocks, of at most `capacity`: as many chunks as its longest context needs, rounded
+    up to a power of two, so a few compilations serve a batch class; a batch of at most
+    SMALL_BATCH requests always takes the most chunks, one compilation (its few CTAs leave SMs
+    idle anyway, so the empty chunks cost little)."""
+    chunk = max(1, PAGED_CHUNK // block_size)
+    most = -(-capacity // chunk)
+    if batch <= SMALL_BATCH:
+        return chunk, most
+    needed = -(-blocks // chunk)
+    return chunk, min(1 << (needed - 1).bit_length(), most)
 
 
 def exact_chunks(capacity: int, block_size: int) -> tuple[int, int]:

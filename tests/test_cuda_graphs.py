@@ -180,16 +180,19 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     assert worst["scores"] < 1e-6, worst
 
 
-@pytest.mark.parametrize("chunk,exact", [(kernels.PAGED_CHUNK, False), (16, False), (kernels.PAGED_CHUNK, True)])
-def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exact):
+@pytest.mark.parametrize("chunk,exact,small", [(kernels.PAGED_CHUNK, False, False), (16, False, False),
+                                               (kernels.PAGED_CHUNK, True, False), (16, False, True)])
+def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exact, small):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
     plain decoding on it, with every context cut at the same positions into chunks of PAGED_CHUNK positions (these
     contexts lie in the first) or of one block, merged by their logsumexps. The number of chunks is a power of two
-    (a few compilations cover every context length); with exact rows, every step cuts the longest context the block
-    tables hold (33 blocks of 16) into 2 chunks, and lists no block full."""
+    (a few compilations cover every context length); with exact rows, or for `small` batches (of at most
+    SMALL_BATCH requests), every step cuts the longest context the block tables hold (33 blocks of 16) into the
+    most chunks; exact rows list no block full."""
     monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
     monkeypatch.setattr(kernels, "exact_rows", exact)
+    monkeypatch.setattr(kernels, "SMALL_BATCH", kernels.SMALL_BATCH if small else 0)
     calls, splits, full_lists = [], [], []
 
     def counted(out, q, q_index, k_layer, v_layer, block_mask, *scored):
@@ -208,7 +211,8 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
     assert {1, 5} <= set(calls) and set(scoring) == {False, True}       # verifications scored by the paged kernel
-    assert set(splits) == ({2} if exact else {16} if chunk == 16 else {1})
+    most = -(-33 * 16 // chunk)
+    assert set(splits) == ({most} if exact or small else {16} if chunk == 16 else {1})
     assert set(full_lists) == {not exact}
 
 
