@@ -85,9 +85,8 @@ def paged_kernel_shapes(buckets) -> set:
 
 def score_pass_shapes(buckets) -> set:
     """The shapes the verification's score pass is compiled for (`swapped_scores.score_pass`): query
-    rows, and a batch of one request or more (its batch and context are dynamic)."""
-    return {(b.dense_queries, b.dense_batch == 1) for b in buckets
-            if b.scores and b.dense_batch and not b.dense_runs}
+    rows (its batch and context are dynamic)."""
+    return {b.dense_queries for b in buckets if b.scores and b.dense_batch and not b.dense_runs}
 
 
 if __name__ == "__main__":

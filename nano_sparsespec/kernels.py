@@ -78,7 +78,7 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
     dense path: its attention for static shapes (as flex_attention's decoding kernel wants: one
     compilation per batch class, query rows and chunk count), the swapped score pass and its
-    inputs for a dynamic batch and context (a batch of one request compiles its own: torch
+    inputs for a dynamic batch and context (padded steps have at least two requests: torch
     specialises sizes 0 and 1).
     With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
     other step (`exact_rows`): a verification row gets its decode row's bits."""
