@@ -171,12 +171,14 @@ class StepGraphs:
     `compute(shape, lists) -> outputs` is the runner's device step (it builds every tensor of the
     step from the named lists and runs it); `block_size` the KV pool's; `state` the tensors a step
     may read and then rewrite (the runner's draft tokens: a plain step that runs ahead reads the
-    token in flight and writes its own in the same place); `rows` the runner's request rows."""
+    token in flight and writes its own in the same place); `rows` the runner's request rows;
+    `speculates`: whether the engine's checks verify drafts (every method but plain decoding)."""
 
     def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
                  stride: int = 1, budget: Callable[[int], int] | None = None,
-                 context_step: int = 256, width_step: int = 32):
+                 context_step: int = 256, width_step: int = 32, speculates: bool = True):
         self.compute, self.state, self.rows, self.stride = compute, state, rows, stride
+        self.speculates = speculates
         self.block_size, self.budget = block_size, budget
         # dense context: whole blocks
         self.context_step = math.lcm(context_step, block_size)
@@ -232,7 +234,8 @@ class StepGraphs:
         the dense batch's blocks, the lookups' width and the drafts' selection width (at least
         the budget at that context, rounded to `width_step`). Verifications have k + 1 query rows
         and k drafts whatever they check, drafts a window of at least k, so that the steps of one
-        context share one bucket.
+        context share one bucket. A speculating engine's checks all have k drafts (a last prefill
+        chunk's, none: padded), so that one compiled verification serves every step.
 
         A draft step reads every row of the draft buffers (up to the scratch row), selection_width
         + lookups + window (rounded to 8) columns of each, which the runner rounds to a multiple of
@@ -247,12 +250,13 @@ class StepGraphs:
         selection = s.selection_width
         if selection and context and self.budget is not None:   # the budget at that context
             selection = max(selection, self.budget(context))
-        queries, check_drafts, runs = s.dense_queries, s.check_drafts, ()
+        queries, runs = s.dense_queries, ()
         if s.dense_runs:
             queries = max(64, 1 << (queries - 1).bit_length())
             runs = ((0, dense_batch, queries, blocks, True),)
-        elif queries > 1:          # verifications: k drafts and k + 1 query rows, whatever checked
-            queries, check_drafts = max(queries, k + 1), max(check_drafts, k)
+        elif queries > 1:          # verifications: k + 1 query rows, whatever they check
+            queries = max(queries, k + 1)
+        check_drafts = max(s.check_drafts, k) if s.checks and self.speculates else s.check_drafts
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs,
                        sparse_batch=sparse_batch,

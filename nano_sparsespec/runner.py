@@ -68,7 +68,7 @@ class ModelRunner:
         self.scratch_row = rows
         self.draft_tokens = torch.zeros(rows + 1, k, **long)                  # [rows + 1, k]
         self.graphs = (StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows,
-                                  k, spec.budget)
+                                  k, spec.budget, speculates=spec.method != "plain")
                        if cuda_graphs else None)
         self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
@@ -353,12 +353,14 @@ class ModelRunner:
 
     # --- the readout -------------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor, r: Readout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LM head over drafts' and checks' rows in one matmul -> [Nd, V], [Bv * (M+1), V]."""
+        """The LM head over drafts' and checks' rows in one matmul -> [Nd, V], [Bv * (M+1), V].
+        Checks first: the compiled verification then meets its logits at the same place in
+        every step (torch.compile specialises a storage offset of 0)."""
         none = hidden.new_zeros(0, dtype=torch.long)
         drafts = r.draft_logit_row if r.draft_row is not None else none
         checks = r.check_logit_rows.flatten() if r.check_row is not None else none
-        logits = self.model.logits(hidden[torch.cat([drafts, checks])])   # [Nd + Bv * (M+1), V]
-        return logits[:drafts.shape[0]], logits[drafts.shape[0]:]
+        logits = self.model.logits(hidden[torch.cat([checks, drafts])])   # [Bv * (M+1) + Nd, V]
+        return logits[checks.shape[0]:], logits[:checks.shape[0]]
 
     def _sample_drafts(self, logits: torch.Tensor, r: Readout) -> None:
         """Sample drafts from logits [Nd, V] into the draft buffer (and their distributions)."""
@@ -366,10 +368,14 @@ class ModelRunner:
         probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)   # [Nd, V], [Nd]
         self.draft_tokens[r.draft_row, r.draft_index] = tokens
         if not st.all_greedy:
-            if self.draft_probs is None:   # (allocated by a graph's first, eager run)
-                self.draft_probs = torch.zeros(*self.draft_tokens.shape, probs.shape[-1],
-                                               device=self.device)
-            self.draft_probs[r.draft_row, r.draft_index] = probs
+            self._draft_probs(probs.shape[-1])[r.draft_row, r.draft_index] = probs
+
+    def _draft_probs(self, vocab: int) -> torch.Tensor:
+        """The distributions the drafts were sampled from [rows + 1, k, V], allocated by the
+        first step that samples or verifies drafts at a temperature (a graph's first, eager run)."""
+        if self.draft_probs is None:
+            self.draft_probs = torch.zeros(*self.draft_tokens.shape, vocab, device=self.device)
+        return self.draft_probs
 
     def _verify(self, logits: torch.Tensor, r: Readout) -> torch.Tensor:
         """Verify the checks from their logits [Bv * (M+1), V] -> packed [Bv, 3 + M]."""
@@ -381,8 +387,8 @@ class ModelRunner:
         draft_tokens, draft_probs = r.ngram_drafts, None                           # [Bv, M]
         if draft_tokens is None:
             draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # a copy
-            if self.draft_probs is not None and not st.all_greedy:
-                draft_probs = self.draft_probs[r.check_row, :m_max]
+            if m_max and not st.all_greedy:   # (a last prefill chunk's check reads none of it)
+                draft_probs = self._draft_probs(logits.shape[-1])[r.check_row, :m_max]
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
                                      r.check_first_position)
         if self.spec.runs_ahead:   # the request's next step, already launched, reads it here

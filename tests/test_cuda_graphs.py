@@ -8,13 +8,14 @@ Why "on the same path": padding changes the shapes of the matrix products (a 1-r
 and BLAS may round those differently in the last bit (measured: ~1e-6 in hidden states, fp32). Greedy equality is
 exact only between runs whose arithmetic is the same, so the padded drafters are compared with padded plain decoding;
 eager against eager is tests/test_engine.py."""
+import functools
 from dataclasses import replace
 
 import pytest
 import torch
 
 from conftest import generate
-from nano_sparsespec import LLM, SamplingParams, attention, kernels
+from nano_sparsespec import LLM, SamplingParams, attention, kernels, verifier
 from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 from nano_sparsespec.runner import ModelRunner
 from nano_sparsespec.step_lists import StepLists
@@ -216,6 +217,29 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
     assert set(full_lists) == {not exact}
 
 
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable")
+def test_a_speculating_run_compiles_its_verification_once(tiny_qwen3, prompts, monkeypatch):
+    """Through padded static steps the compiled verification meets one layout in a whole run at a temperature
+    (first tokens, requests admitted while others verify, a tail of one request): every check of a speculating
+    engine has k drafts (a last prefill chunk's none of them) and their distributions, a batch of one is padded to
+    two, and the checks' logits start the LM head's product. torch.compile specialises sizes 0 and 1, a storage
+    offset of 0 and a missing tensor: each would compile it again (seconds on a GPU). Draft sampling compiles twice:
+    its logits follow the checks' (a step without checks has them at offset 0)."""
+    from nano_sparsespec.tools.measure import CompiledFrames
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    verifier.compile_sampling()
+    try:
+        with CompiledFrames() as compiled:
+            params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
+            llm, _ = generate(tiny_qwen3[0], prompts, params, cuda_graphs=True, method="pillar-lookup", stride=4,
+                              min_budget=8, budget_ratio=0.1, batch_policy="balanced", async_verify=True,
+                              max_batch=3, prefill_chunk=32)
+    finally:
+        verifier.use_eager_sampling()
+    assert llm.last_stats.graphs_recorded > 5
+    assert compiled.frames["_verify_logits"][0] == 1 and compiled.frames["_sample_drafts"][0] == 2, compiled.frames
+
+
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):
     """The critical positions' buffer is sized once for the longest context the requests can reach: as budgets grow
     over a generation (from the prompt's length to past the 32 columns a bucket rounds to, here), no recorded graph
@@ -277,7 +301,8 @@ def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, m
     decoding requests (one bucketed run of chunks), and the two parts' results are joined in check order. Requests
     admitted while others verify make steps whose both parts have checks (a last prefill chunk and verifications),
     and the output equals plain decoding's on the same path; in those steps each check's row of the joined results
-    is its own: the verifications' first, as wide as the widest part, a prefill's padded with zeros."""
+    is its own: the verifications' first, all as wide (a speculating engine's checks all have k draft columns; a
+    prefill's offers none of them)."""
     parts, joined = [], []
     run, launch = ModelRunner._run, ModelRunner.launch
 
@@ -309,5 +334,5 @@ def test_prefill_chunks_run_as_a_static_step_of_their_own(tiny_qwen3, prompts, m
         for kind, n, accepted, bonus, drafts in zip(kinds, num_drafts, got["num_accepted"], got["is_bonus"],
                                                     got["draft_tokens"]):
             assert len(drafts) == width >= n and 0 <= accepted <= n and bonus == (accepted == n)
-            assert kind == "verify" or (n == 0 and not any(drafts))       # a first token's row: padded with 0
+            assert kind == "verify" or n == accepted == 0                 # a first token's row: no drafts
 

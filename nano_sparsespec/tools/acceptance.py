@@ -138,14 +138,14 @@ class NoRepeatNgramRunner(ModelRunner):
         return self.draft_tokens[seq.row, :count].tolist()
 
     def _run(self, plan, shape, static):
-        """Set each logits row's history, in `ModelRunner._logits` order: each draft's (output and
-        drafts before it), then each check's M + 1 rows (row j: the first j drafts)."""
-        histories = [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified))
-                     for w, _ in plan.drafts]
-        m_max = max(plan.num_drafts, default=0)
+        """Set each logits row's history, in `ModelRunner._logits` order: each check's M + 1 rows
+        (row j: the first j drafts), then each draft's (output and drafts before it)."""
+        histories, m_max = [], max(plan.num_drafts, default=0)
         for (w, _), m in zip(plan.checks, plan.num_drafts):
             drafts = self._drafts_of(w.seq, m)
             histories += [(w.seq, drafts[:min(j, m)]) for j in range(m_max + 1)]   # pads: last
+        histories += [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified))
+                      for w, _ in plan.drafts]
         self.model.histories = histories
         try:
             return super()._run(plan, shape, static)
