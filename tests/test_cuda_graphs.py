@@ -218,16 +218,18 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
 
 
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable")
-def test_a_speculating_run_compiles_its_verification_once(tiny_qwen3, prompts, monkeypatch):
+def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(tiny_qwen3, prompts, monkeypatch):
     """Through padded static steps the compiled verification meets one layout in a whole run at a temperature
     (first tokens, requests admitted while others verify, a tail of one request): every check of a speculating
     engine has k drafts (a last prefill chunk's none of them) and their distributions, a batch of one is padded to
     two, and the checks' logits start the LM head's product. torch.compile specialises sizes 0 and 1, a storage
-    offset of 0 and a missing tensor: each would compile it again (seconds on a GPU). Draft sampling compiles twice:
-    its logits follow the checks' (a step without checks has them at offset 0)."""
+    offset of 0 and a missing tensor: each would compile it again (seconds on a GPU). The draft attention is traced
+    without duck sizing (a step of drafts alone has as many token rows as the draft buffers have rows). Draft
+    sampling compiles twice: its logits follow the checks' (a step without checks has them at offset 0)."""
     from nano_sparsespec.tools.measure import CompiledFrames
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     verifier.compile_sampling()
+    kernels.compile_kernels()
     try:
         with CompiledFrames() as compiled:
             params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
@@ -236,8 +238,10 @@ def test_a_speculating_run_compiles_its_verification_once(tiny_qwen3, prompts, m
                               max_batch=3, prefill_chunk=32)
     finally:
         verifier.use_eager_sampling()
+        kernels.use_eager_kernels()
     assert llm.last_stats.graphs_recorded > 5
-    assert compiled.frames["_verify_logits"][0] == 1 and compiled.frames["_sample_drafts"][0] == 2, compiled.frames
+    counts = {name: compiled.frames[name][0] for name in ("_verify_logits", "sparse_drafts", "_sample_drafts")}
+    assert counts == {"_verify_logits": 1, "sparse_drafts": 1, "_sample_drafts": 2}, compiled.frames
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):
