@@ -181,19 +181,18 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     assert worst["scores"] < 1e-6, worst
 
 
-@pytest.mark.parametrize("chunk,exact,small", [(kernels.PAGED_CHUNK, False, False), (16, False, False),
-                                               (kernels.PAGED_CHUNK, True, False), (16, False, True)])
-def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exact, small):
+@pytest.mark.parametrize("chunk,exact", [(kernels.PAGED_CHUNK, False), (16, False), (kernels.PAGED_CHUNK, True)])
+def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exact):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
     plain decoding on it, with every context cut at the same positions into chunks of PAGED_CHUNK positions (these
     contexts lie in the first) or of one block, merged by their logsumexps. The number of chunks is a power of two
-    (a few compilations cover every context length); with exact rows, or for `small` batches (of at most
-    SMALL_BATCH requests), every step cuts the longest context the block tables hold (33 blocks of 16) into the
-    most chunks; exact rows list no block full."""
+    (a few compilations cover every context length: the rule for batches of over SMALL_BATCH requests, which is 0
+    here); with exact rows, every step cuts the longest context the block tables hold (33 blocks of 16) into the
+    most chunks, and lists no block full."""
     monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
     monkeypatch.setattr(kernels, "exact_rows", exact)
-    monkeypatch.setattr(kernels, "SMALL_BATCH", kernels.SMALL_BATCH if small else 0)
+    monkeypatch.setattr(kernels, "SMALL_BATCH", 0)
     calls, splits, full_lists = [], [], []
 
     def counted(out, q, q_index, k_layer, v_layer, block_mask, *scored):
@@ -212,8 +211,7 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
                        max_batch=5, prefill_chunk=32)
     assert outs == plain
     assert {1, 5} <= set(calls) and set(scoring) == {False, True}       # verifications scored by the paged kernel
-    most = -(-33 * 16 // chunk)
-    assert set(splits) == ({most} if exact or small else {16} if chunk == 16 else {1})
+    assert set(splits) == ({2} if exact else {16} if chunk == 16 else {1})
     assert set(full_lists) == {not exact}
 
 
@@ -242,6 +240,17 @@ def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(ti
     assert llm.last_stats.graphs_recorded > 5
     counts = {name: compiled.frames[name][0] for name in ("_verify_logits", "sparse_drafts", "_sample_drafts")}
     assert counts == {"_verify_logits": 1, "sparse_drafts": 1, "_sample_drafts": 2}, compiled.frames
+
+
+def test_small_batches_cut_contexts_into_the_most_chunks():
+    """The paged kernel's chunk count: as many chunks of PAGED_CHUNK positions as the longest context needs, rounded up
+    to a power of two and at most what the longest possible context needs; a batch of at most SMALL_BATCH requests
+    (a balanced step's verifications) always takes the most, so it compiles once whatever its contexts."""
+    chunk = kernels.PAGED_CHUNK // 64                                       # blocks of 64 positions per chunk
+    big, small = kernels.SMALL_BATCH + 1, kernels.SMALL_BATCH
+    assert [kernels.paged_chunks(big, blocks, 129, 64)[1] for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
+        [1, 1, 2, 4, 8, 16, 17]
+    assert {kernels.paged_chunks(small, blocks, 129, 64) for blocks in (1, 9, 129)} == {(chunk, 17)}
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):
