@@ -387,7 +387,7 @@ class ModelRunner:
         draft_tokens, draft_probs = r.ngram_drafts, None                           # [Bv, M]
         if draft_tokens is None:
             draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # a copy
-            if m_max and not st.all_greedy:   # (a last prefill chunk's check reads none of it)
+            if m_max and not st.all_greedy:   # (a last prefill chunk's padded check reads none)
                 draft_probs = self._draft_probs(logits.shape[-1])[r.check_row, :m_max]
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
                                      r.check_first_position)
