@@ -16,11 +16,11 @@ from .attention import pack_groups
 
 # The swapped score pass (`column_scores`): positions per query tile, verification rows per key
 # block (a verification has G x (k + 1) rows per KV head, 27 for the embedded model), and its
-# Triton settings (one key block of rows a tile: nothing to pipeline; two warps suit the small
-# verification batches of balanced steps).
+# Triton settings (one key block of rows a tile: nothing to pipeline; four warps read a tile
+# fastest both for a balanced step's ~B/9 verifications and for a whole batch's, BENCHMARKS.md).
 SCORE_TILE, SCORE_ROWS = 128, 32
 SCORE_KERNEL_OPTIONS = {"BLOCK_M": SCORE_TILE, "BLOCK_N": SCORE_ROWS, "num_stages": 1,
-                        "num_warps": 2}
+                        "num_warps": 4}
 # Width of the values of the swapped score pass: only its log-sum-exps are used, and
 # flex_attention's smallest value width keeps the output it writes anyway small.
 SCORE_VALUE_DIM = 16
