@@ -76,9 +76,9 @@ def main() -> None:
 
 def paged_kernel_shapes(buckets) -> set:
     """The shapes torch.compile specialises the paged kernel on (`kernels.paged_prepare`):
-    requests, query rows, chunks of the context, scored or not."""
+    the batch class `kernels.kernel_batch`, query rows, chunks of the context, scored or not."""
     capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
-    return {(b.dense_batch, b.dense_queries,
+    return {(kernels.kernel_batch(b.dense_batch), b.dense_queries,
              kernels.paged_chunks(b.dense_batch, b.dense_blocks, capacity, BLOCK_SIZE)[1], b.scores)
             for b in buckets if b.dense_batch and not b.dense_runs}
 

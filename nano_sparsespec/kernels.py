@@ -38,7 +38,8 @@ from .swapped_scores import score_inputs, score_pass
 PAGED_CHUNK = 512
 MAX_CHUNKS = 16
 # Dense batches of at most this many requests (a balanced step's verifications) cut their
-# contexts into the most chunks, whatever their length (`paged_chunks`).
+# contexts into the most chunks, whatever their length (`paged_chunks`), and the paged kernel sees
+# them padded to a power of two (`kernel_batch`): one compilation serves each power of two.
 SMALL_BATCH = 128
 # Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
 # math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
@@ -91,11 +92,11 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["sparse"] = _sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        # paged_attend(out, q, ...): token rows T dynamic
+        # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch
         # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse): T, batch
         # and context dynamic
         # score_pass(scores, keys, rows, shift, q_start, Q): batch and context dynamic
-        _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}),
+        _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}, small_batch_arg=2),
                       score_inputs=_static_but(score_inputs, {0: (0,), 1: (0,), 3: (0, 1),
                                                               5: (0,), 6: (0,)}),
                       score_pass=_static_but(score_pass, {0: (0, 2), 1: (0, 2), 2: (0,),
@@ -113,11 +114,13 @@ def _sizes_apart(compiled):
     return run
 
 
-def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]]):
+def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):
     """`fn` compiled for static shapes but the dims `dynamic_dims` names (argument index ->
     dims): sizes that vary from step to step (token rows, which also count a step's sparse drafts;
     batch; context) do not recompile it, while the pool's and the heads' sizes stay constants of
-    the kernel (symbolic ones there make every index a runtime division).
+    the kernel (symbolic ones there make every index a runtime division). With `small_batch_arg`,
+    that argument's dim 0 (a dense batch) is dynamic too where it is at most SMALL_BATCH: the paged
+    kernel attends such a batch padded to a static size (`kernel_batch`).
     Each tensor goes in as a fresh view (`detach`): the output of another compiled function
     carries that function's dynamic dims, which would override the static ones here."""
     compiled = torch.compile(fn, dynamic=False)
@@ -127,6 +130,8 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]]):
         for i, dims in dynamic_dims.items():
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(args[i], dim)
+        if small_batch_arg is not None and args[small_batch_arg].shape[0] <= SMALL_BATCH:
+            torch._dynamo.maybe_mark_dynamic(args[small_batch_arg], 0)
         return compiled(*args)
     return run
 
@@ -192,7 +197,9 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
 
     block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B]; q_valid: [B, Q] bool.
     The key/value sequence is one layer's whole pool (pool_slots positions, shared by all
-    requests). Each request lists the pool blocks it uses, in table order, where `visible`
+    requests). A batch of at most SMALL_BATCH requests is padded with requests that see nothing,
+    up to a power of two (`kernel_batch`): flex_attention's decoding kernel is compiled for a
+    static batch. Each request lists the pool blocks it uses, in table order, where `visible`
     evaluates the mask's rule from the position: `rank` is a pool block's number within its
     request, `owner` the request (checked, so the rule holds over the whole pool). With
     `full_blocks` the blocks that every real row sees whole are listed `full`, where the kernel
@@ -207,6 +214,10 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     requests keep most SMs idle. Without `chunk` the context is one chunk (`splits` 1)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    padding = kernel_batch(mask.shape[0]) - mask.shape[0]
+    block_table, q_start = F.pad(block_table, (0, 0, 0, padding)), F.pad(q_start, (0, padding))
+    mask = torch.cat([mask, mask.new_zeros(padding, *mask.shape[1:])])
+    q_valid = torch.cat([q_valid, q_valid.new_zeros(padding, *q_valid.shape[1:])])
     B, Q, L = mask.shape
     nb, pool_blocks = L // block_size, pool_slots // block_size
     chunk = chunk or nb                                                # blocks per chunk
@@ -249,6 +260,18 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
                                     compute_q_blocks=False)
 
 
+def kernel_batch(batch: int) -> int:
+    """The requests the paged kernel attends for a dense batch of `batch` (`paged_block_mask`):
+    up to SMALL_BATCH, the power of two at or above it, so that compiled for a dynamic batch (a
+    size the comparisons guard) the kernel still sees a static one; past it, `batch`."""
+    if batch > SMALL_BATCH:
+        return batch
+    padded = 2
+    while padded < batch:
+        padded *= 2
+    return padded
+
+
 def paged_dense(out, q, q_index, k_layer, v_layer, block_mask, scores=None, block_table=None,
                 q_start=None, score_weight=None) -> None:
     """out[q_index] = paged attention of q[q_index]: out, q [T, n_heads, D]; q_index [Bd, Qmax].
@@ -284,24 +307,27 @@ def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
 
     The G query heads of a KV head are packed into G x Q rows, so flex_attention sees one query
     head per KV head and can use its decoding kernel (which wants a power-of-two group). A block
-    mask made with splits S > 1 has B * S entries, one per chunk of a context, which
-    `merge_chunks` folds into attention over the whole context."""
+    mask made with splits S > 1 has Bk * S entries (Bk = `kernel_batch(B)`: the requests past B
+    see nothing), one per chunk of a context, which `merge_chunks` folds into attention over the
+    whole context."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     B, Q = q.shape[:2]
+    Bk = kernel_batch(B)
     # [1, n_kv, slots, D]
     keys, values = k_layer.permute(1, 0, 2)[None], v_layer.permute(1, 0, 2)[None]
     packed = pack_groups(q, k_layer.shape[1])                          # [B, n_kv, G*Q, D]
-    splits = block_mask.kv_num_blocks.shape[0] // B
+    padded = F.pad(packed, (0, 0, 0, 0, 0, 0, 0, Bk - B))              # [Bk, n_kv, G*Q, D]
+    splits = block_mask.kv_num_blocks.shape[0] // Bk
     if splits == 1 and not with_lse and q.device.type == "cpu":
         # torch's CPU compiler returns no log-sum-exp (the CPU runs the paged path in tests only)
-        return unpack_groups(flex_attention(packed, keys, values, block_mask=block_mask,
-                                            kernel_options=kernel_options), Q)
-    out, aux = flex_attention(packed.repeat_interleave(splits, 0), keys, values,
+        return unpack_groups(flex_attention(padded, keys, values, block_mask=block_mask,
+                                            kernel_options=kernel_options)[:B], Q)
+    out, aux = flex_attention(padded.repeat_interleave(splits, 0), keys, values,
                               block_mask=block_mask, return_aux=AuxRequest(lse=True),
                               kernel_options=kernel_options)
-    out, lse = merge_chunks(out.view(B, splits, *packed.shape[1:]),
-                            aux.lse.view(B, splits, *packed.shape[1:3]))
+    out, lse = merge_chunks(out.view(Bk, splits, *packed.shape[1:])[:B],
+                            aux.lse.view(Bk, splits, *packed.shape[1:3])[:B])
     out = unpack_groups(out.to(q.dtype), Q)
     return (out, lse) if with_lse else out
 

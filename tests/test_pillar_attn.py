@@ -383,12 +383,13 @@ def test_exact_rows_list_every_block_for_the_mask_in_table_order():
     mask = torch.arange(nb * block)[None, None] <= 13                  # position 13: blocks 0-3, block 3 the edge
     exact = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits,
                                      full_blocks=False)
+    padding = [0] * (kernels.kernel_batch(1) - 1) * splits      # the kernel's batch: padded with requests seeing nothing
     assert exact.full_kv_num_blocks is None
-    assert exact.kv_num_blocks.flatten().tolist() == [2, 2, 0]
+    assert exact.kv_num_blocks.flatten().tolist() == [2, 2, 0] + padding
     assert exact.kv_indices[:2, 0, 0, :2].tolist() == [[5, 0], [3, 1]]
     fast = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits)
-    assert fast.full_kv_num_blocks.flatten().tolist() == [2, 1, 0]
-    assert fast.kv_num_blocks.flatten().tolist() == [0, 1, 0]
+    assert fast.full_kv_num_blocks.flatten().tolist() == [2, 1, 0] + padding
+    assert fast.kv_num_blocks.flatten().tolist() == [0, 1, 0] + padding
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -793,33 +794,38 @@ def test_static_dims_stay_static_for_the_output_of_a_dynamic_function(monkeypatc
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
     """The compiled paged kernel (`compile_kernels(paged=True)`, static shapes) writes what the reference writes into
-    the step's rows, and steps that differ only in their token count (their sparse drafts) share one compilation.
+    the step's rows, and steps that differ only in their token count (their sparse drafts) or in a small dense
+    batch of one power of two (3 or 4 requests, attended as 4) share one compilation.
     On the CPU plain decoding rows in one piece (torch's CPU compiler has no logsumexp); on CUDA contexts cut in two
     chunks, merged by their logsumexps."""
     from torch._dynamo.utils import counters
-    B, block, head_dim, chunk, splits = 4, 16, 16, *((None, 1) if device == "cpu" else (2, 2))
-    pool_slots = (B * 4 + 1) * block
+    block, head_dim, chunk, splits = 16, 16, *((None, 1) if device == "cpu" else (2, 2))
+    pool_slots = (4 * 4 + 1) * block
     g = torch.Generator().manual_seed(11)
     k_pool, v_pool = torch.randn(2, pool_slots, N_KV, head_dim, generator=g).to(device).unbind(0)
-    block_table = torch.randperm(B * 4, generator=g).view(B, 4).to(device)
-    q_start = torch.tensor([40, 50, 20, 63], device=device)
-    q_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
-    mask = torch.arange(4 * block, device=device)[None, None] <= q_start[:, None, None]        # [B, 1, 64]
-    block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk, splits)
-    q_index = torch.tensor([[0], [2], [3], [5]], device=device)                         # the dense rows of the step
-    steps = [torch.randn(T, H, head_dim, generator=g).to(device) for T in (7, 9, 12)]   # 7, 9, 12 token rows
-    expected = []
-    for q in steps:
-        expected.append(torch.zeros_like(q))
-        kernels.paged_dense(expected[-1], q, q_index, k_pool, v_pool, block_mask)
+    steps = []
+    for B, rows, T in ((4, [0, 2, 3, 5], 7), (3, [0, 3, 5], 9), (4, [1, 2, 5, 6], 12)):
+        block_table = torch.randperm(B * 4, generator=g).view(B, 4).to(device)
+        q_start = torch.tensor([40, 50, 20, 63][:B], device=device)
+        q_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
+        mask = torch.arange(4 * block, device=device)[None, None] <= q_start[:, None, None]    # [B, 1, 64]
+        block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk,
+                                              splits)
+        q_index = torch.tensor(rows, device=device)[:, None]                            # the dense rows of the step
+        q = torch.randn(T, H, head_dim, generator=g).to(device)
+        reference = torch.zeros_like(q)
+        kernels.paged_dense(reference, q, q_index, k_pool, v_pool, block_mask)
+        steps.append((q, q_index, block_mask, reference))
     counters.clear()
     kernels.compile_kernels(paged=True)
     try:
-        for q, reference in zip(steps, expected):
+        for q, q_index, block_mask, reference in steps:
             out = torch.zeros_like(q)
             attention._kernels["paged"](out, q, q_index, k_pool, v_pool, block_mask)
             torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
-            assert not out[[1, 4, 6]].any()                                    # rows of no dense request: untouched
+            untouched = torch.ones(len(q), dtype=torch.bool, device=device)
+            untouched[q_index.flatten()] = False
+            assert not out[untouched].any()                                    # rows of no dense request
     finally:
         kernels.use_eager_kernels()
     assert counters["stats"]["unique_graphs"] == 1
