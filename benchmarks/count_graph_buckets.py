@@ -64,6 +64,7 @@ def main() -> None:
     async_loop.pillar_attn.top_positions = first_positions
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
               runner_class=BucketCounter, async_verify=policy == "balanced")
+    kernels.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
     llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),

@@ -199,6 +199,13 @@ class SpecConfig:
     def __post_init__(self):
         self.validate()
 
+    def dense_batch(self) -> int:
+        """Requests that attend densely in a step of a full batch: all of them when they decode
+        plainly or verify together (naive), one in stride + 1 under balanced batching."""
+        if self.method == "plain" or self.batch_policy == "naive":
+            return self.max_batch
+        return -(-self.max_batch // (self.stride + 1))
+
     def validate(self) -> None:
         """ValueError naming the first bad field."""
         if self.method not in DRAFT_METHODS:

@@ -234,8 +234,8 @@ class StepGraphs:
         the dense batch's blocks, the lookups' width and the drafts' selection width (at least
         the budget at that context, rounded to `width_step`). Verifications have k + 1 query rows
         and k drafts whatever they check, drafts a window of at least k, so that the steps of one
-        context share one bucket. A speculating engine's checks all have k drafts (a last prefill
-        chunk's, none: padded), so that one compiled verification serves every step.
+        context share one bucket. A speculating engine's checks all have k drafts and k + 1 rows (a
+        last prefill chunk's, none: padded), so that one compiled verification serves every step.
 
         A draft step reads every row of the draft buffers (up to the scratch row), selection_width
         + lookups + window (rounded to 8) columns of each, which the runner rounds to a multiple of
@@ -254,8 +254,8 @@ class StepGraphs:
         if s.dense_runs:
             queries = max(64, 1 << (queries - 1).bit_length())
             runs = ((0, dense_batch, queries, blocks, True),)
-        elif queries > 1:          # verifications: k + 1 query rows, whatever they check
-            queries = max(queries, k + 1)
+        elif queries > 1 or (s.checks and self.speculates):   # verifications: k + 1 rows,
+            queries = max(queries, k + 1)                        # whatever they check
         check_drafts = max(s.check_drafts, k) if s.checks and self.speculates else s.check_drafts
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs,

@@ -41,6 +41,10 @@ MAX_CHUNKS = 16
 # contexts into the most chunks, whatever their length (`paged_chunks`), and the paged kernel sees
 # them padded to a power of two (`kernel_batch`): one compilation serves each power of two.
 SMALL_BATCH = 128
+# The smallest batch the paged kernel attends (`kernel_batch`): the dense batch of the engine's
+# usual step (`compile_fast_path`), so that the smaller steps of a run's start and tail attend in
+# its class (a few empty requests each) instead of compiling classes of their own.
+smallest_kernel_batch = 2
 # Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
 # math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
 # head need the third to keep the loads streaming (BENCHMARKS.md, kernel settings). One CTA per
@@ -52,14 +56,23 @@ PAGED_KERNEL_OPTIONS = {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 1}
 exact_rows = False
 
 
-def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = False) -> None:
+def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = False,
+                      dense_batch: int = 2) -> None:
     """What `LLM(compile=True)` switches on for every model in this process: the compiled
-    attention kernels (on a GPU with CUDA graphs, the paged kernel, with `exact` rows), the
-    layers' fused elementwise pieces, and fused sampling and verification."""
+    attention kernels (on a GPU with CUDA graphs, the paged kernel, with `exact` rows; its
+    smallest batch class holds `dense_batch` requests, the usual step's), the layers' fused
+    elementwise pieces, and fused sampling and verification."""
+    set_smallest_kernel_batch(dense_batch)
     use_project_compile_cache()
     compile_kernels(paged=device.type == "cuda" and cuda_graphs, exact=exact)
     model.compile_elementwise()
     verifier.compile_sampling()
+
+
+def set_smallest_kernel_batch(dense_batch: int) -> None:
+    """The paged kernel's smallest batch class holds `dense_batch` requests (`kernel_batch`)."""
+    global smallest_kernel_batch
+    smallest_kernel_batch = min(max(dense_batch, 2), SMALL_BATCH)
 
 
 def use_project_compile_cache() -> None:
@@ -139,6 +152,7 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: i
 def use_eager_kernels() -> None:
     global exact_rows
     exact_rows = False
+    set_smallest_kernel_batch(2)
     attention._kernels.update(attention.EAGER_KERNELS)
     _paged.update(PAGED_PIECES)
 
@@ -262,11 +276,15 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
 
 def kernel_batch(batch: int) -> int:
     """The requests the paged kernel attends for a dense batch of `batch` (`paged_block_mask`):
-    up to SMALL_BATCH, the power of two at or above it, so that compiled for a dynamic batch (a
-    size the comparisons guard) the kernel still sees a static one; past it, `batch`."""
+    up to SMALL_BATCH, the power of two at or above it and `smallest_kernel_batch`, so that
+    compiled for a dynamic batch (a size the comparisons guard) the kernel still sees a static
+    one; past it, `batch`. (Compiled, each comparison with `batch` guards it: the class of the
+    smallest batch costs one.)"""
     if batch > SMALL_BATCH:
         return batch
     padded = 2
+    while padded < smallest_kernel_batch:
+        padded *= 2
     while padded < batch:
         padded *= 2
     return padded

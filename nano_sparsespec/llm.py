@@ -171,7 +171,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if compile:
-            kernels.compile_fast_path(self.device, cuda_graphs, exact)
+            kernels.compile_fast_path(self.device, cuda_graphs, exact, self.spec.dense_batch())
         self.last_stats: RunStats | None = None
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:

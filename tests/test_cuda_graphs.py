@@ -16,6 +16,7 @@ import torch
 
 from conftest import generate
 from nano_sparsespec import LLM, SamplingParams, attention, kernels, verifier
+from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
 from nano_sparsespec.runner import ModelRunner
 from nano_sparsespec.step_lists import StepLists
@@ -33,8 +34,9 @@ def test_bucket_sizes():
 
 def test_steps_of_a_context_share_a_bucket():
     """Mixed steps whose contexts lie in the same 256 positions share one bucket whatever their verifications check
-    (k + 1 query rows, k drafts), their drafts' windows and selections (the budget at that context) and which of
-    the dense context and the lookups is longer: the bucket key is the batch and one context length."""
+    (k + 1 query rows, k drafts; checks of no drafts too), their drafts' windows and selections (the budget at that
+    context) and which of the dense context and the lookups is longer: the bucket key is the batch and one context
+    length."""
     from nano_sparsespec.step_lists import StepShape
     k, budget = 8, lambda n: max(128, -(-n // 20))
     graphs = StepGraphs(None, block_size=16, state=[], rows=1024, stride=k, budget=budget)
@@ -45,7 +47,7 @@ def test_steps_of_a_context_share_a_bucket():
                          selection_width=selection, window=window, lookup_context=lookup_context, drafts=900,
                          checks=112, check_drafts=verify_tokens - 1, draft_flags=(), check_flags=())
     shapes = [shape(9, 8, 150, 3000 // 16, 2990), shape(6, 3, 131, 2900 // 16, 3050), shape(2, 1, 128, 3050 // 16, 0)]
-    buckets = {graphs.bucket(s) for s in shapes[:2]}
+    buckets = {graphs.bucket(s) for s in shapes[:2] + [shape(1, 8, 150, 3000 // 16, 2990)]}
     assert len(buckets) == 1
     bucket, = buckets
     assert (bucket.dense_queries, bucket.check_drafts, bucket.window) == (k + 1, k, 8)
@@ -66,7 +68,7 @@ def test_a_growing_batch_is_padded_to_the_batch_ahead():
     one bucket, where its own sizes would record 13. A batch about to be full or shrinking pads to its own (when no
     recorded bucket covers it)."""
     from nano_sparsespec.step_lists import StepShape
-    graphs = StepGraphs(None, block_size=16, state=[], rows=512, stride=8)
+    graphs = StepGraphs(None, block_size=16, state=[], rows=512, stride=8, speculates=False)
 
     def decode(batch):
         return StepShape(tokens=batch + 1, dense_batch=batch, dense_queries=1, dense_blocks=16, scores=False,
@@ -251,6 +253,20 @@ def test_small_batches_cut_contexts_into_the_most_chunks():
     assert [kernels.paged_chunks(big, blocks, 129, 64)[1] for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
         [1, 1, 2, 4, 8, 16, 17]
     assert {kernels.paged_chunks(small, blocks, 129, 64) for blocks in (1, 9, 129)} == {(chunk, 17)}
+
+
+def test_small_batches_attend_in_the_class_of_the_usual_step(monkeypatch):
+    """The paged kernel attends a batch of at most SMALL_BATCH requests padded to a power of two, at least the dense
+    batch of the engine's usual step (a balanced step's verifications, one request in k + 1): a run's start and tail
+    then compile no batch classes of their own."""
+    monkeypatch.setattr(kernels, "smallest_kernel_batch", kernels.smallest_kernel_batch)     # restored afterwards
+    kernels.set_smallest_kernel_batch(SpecConfig(method="pillar-lookup", max_batch=512).dense_batch())     # 57
+    assert [kernels.kernel_batch(n) for n in (1, 2, 33, 57, 64, 65, 128, 129, 512)] == \
+        [64, 64, 64, 64, 64, 128, 128, 129, 512]
+    kernels.set_smallest_kernel_batch(SpecConfig(method="plain", max_batch=512).dense_batch())
+    assert kernels.kernel_batch(1) == kernels.SMALL_BATCH
+    kernels.set_smallest_kernel_batch(SpecConfig(method="pillar-lookup", max_batch=16).dense_batch())      # 2
+    assert [kernels.kernel_batch(n) for n in (1, 2, 3, 5)] == [2, 2, 4, 8]
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):
