@@ -39,7 +39,7 @@ PAGED_CHUNK = 512
 MAX_CHUNKS = 16
 # Dense batches of at most this many requests (a balanced step's verifications) cut their
 # contexts into the most chunks, whatever their length (`paged_chunks`), and the paged kernel sees
-# them padded to a power of two (`kernel_batch`): one compilation serves each power of two.
+# them padded to a power of two (`kernel_batch`): one compilation serves each such class.
 SMALL_BATCH = 128
 # The smallest batch the paged kernel attends (`kernel_batch`): the dense batch of the engine's
 # usual step (`compile_fast_path`), so that the smaller steps of a run's start and tail attend in
@@ -278,8 +278,8 @@ def kernel_batch(batch: int) -> int:
     """The requests the paged kernel attends for a dense batch of `batch` (`paged_block_mask`):
     up to SMALL_BATCH, the power of two at or above it and `smallest_kernel_batch`, so that
     compiled for a dynamic batch (a size the comparisons guard) the kernel still sees a static
-    one; past it, `batch`. (Compiled, each comparison with `batch` guards it: the class of the
-    smallest batch costs one.)"""
+    one; past it, `batch`. Compiled, each comparison with `batch` becomes a guard, so the smallest
+    class is reached without one: all the batches it holds share one compilation."""
     if batch > SMALL_BATCH:
         return batch
     padded = 2
