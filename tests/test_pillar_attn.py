@@ -383,7 +383,7 @@ def test_exact_rows_list_every_block_for_the_mask_in_table_order():
     mask = torch.arange(nb * block)[None, None] <= 13                  # position 13: blocks 0-3, block 3 the edge
     exact = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits,
                                      full_blocks=False)
-    padding = [0] * (kernels.kernel_batch(1) - 1) * splits      # the kernel's batch: padded with requests seeing nothing
+    padding = [0] * (kernels.kernel_batch(1) - 1) * splits     # the kernel's batch: padded, requests that see nothing
     assert exact.full_kv_num_blocks is None
     assert exact.kv_num_blocks.flatten().tolist() == [2, 2, 0] + padding
     assert exact.kv_indices[:2, 0, 0, :2].tolist() == [[5, 0], [3, 1]]
