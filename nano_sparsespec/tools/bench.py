@@ -20,7 +20,7 @@ import torch
 from .. import kernels
 from ..config import DRAFT_METHODS, SamplingParams, SpecConfig
 from ..llm import DTYPES, LLM, default_device
-from .measure import byte_model, machine_info, model_label, peak_bandwidth
+from .measure import StepWindow, byte_model, machine_info, model_label, peak_bandwidth
 from .profile import MODEL_SHAPES, parse_shapes, run_profile
 from .report import plot_rows, profile_markdown, rows_markdown
 from .rows import (DEFAULT_PROMPTS, ROWS, default_kv_blocks, finish_rows, load_workload,
@@ -106,11 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="with --profile-steps: the N kernels that take the most device time in "
                         "each step kind (torch.profiler; on a CPU, operators)")
+    p.add_argument("--trace-steps", default=None, metavar="FIRST:COUNT",
+                   help="each row of ours: torch.profiler over COUNT of its timed steps from step "
+                        "FIRST, the kernels that take the most device time (--profile-kernels, "
+                        "default 25) and the steps' wall time; the row's tok/s then holds the "
+                        "profiler's overhead")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "
                         "acceptance when rows ran, else 25/50/75%% of k)")
     return p
+
+
+def parse_trace_steps(text: str) -> tuple[int, int]:
+    """'FIRST:COUNT' -> (FIRST, COUNT), FIRST >= 1 and COUNT >= 1."""
+    try:
+        first, count = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"bad --trace-steps {text!r}: expected FIRST:COUNT, e.g. 3000:20"
+                         ) from None
+    if first < 1 or count < 1:
+        raise ValueError(f"bad --trace-steps {text!r}: FIRST and COUNT must be >= 1")
+    return first, count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +159,7 @@ def _run(args, argv: list[str]) -> int:
             raise ValueError(f"--kv-fraction must be in (0, 1], got {args.kv_fraction}")
         if args.profile_steps:
             parse_shapes(args.profile_shapes)
+        trace = parse_trace_steps(args.trace_steps) if args.trace_steps else None
         params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                  ignore_eos=args.ignore_eos, seed=args.seed + i)
                   for i in range(args.num_requests)]
@@ -215,7 +233,9 @@ def _run(args, argv: list[str]) -> int:
             if name == "hf":
                 row = run_hf(llm, token_ids, args, bm)
             else:
-                row = run_ours(llm, spec_for(name, args, kv_blocks), token_ids, params, bm)
+                window = trace and StepWindow(device, *trace, args.profile_kernels or 25)
+                row = run_ours(llm, spec_for(name, args, kv_blocks), token_ids, params, bm,
+                               window)
             row = {"name": name, **row}
             result["rows"].append(row)
             msg = (f"  {row['tokens']} tokens in {row['seconds']:.2f} s = "

@@ -2,8 +2,9 @@
 
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
 position it attends to), `PeakMemory`, `CompiledFrames` (torch.compile's compilations per
-function), the device's copy bandwidth and the roofline peak, and the machine and git state a
-result records; `time_split`, where a forward's time goes.
+function), `kernel_table` and `StepWindow` (the kernels of a run's steps, from torch.profiler),
+the device's copy bandwidth and the roofline peak, and the machine and git state a result
+records; `time_split`, where a forward's time goes.
 """
 from __future__ import annotations
 
@@ -156,6 +157,66 @@ class CompiledFrames:
                 entry[0] += 1
                 entry[1] += frame.entire_frame_compile_time_s or 0.0
         return False
+
+
+def kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
+    """torch.profiler's record `prof` of `steps` steps -> {"total_ms": all kernels' own device time
+    per step, "top": the `top` kernels by it, [{"name", "ms", "calls"}] per step}. On a CPU,
+    operators and their own CPU time instead."""
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
+    own = [(e.self_device_time_total if cuda else e.self_cpu_time_total) / steps / 1e3
+           for e in events]                                                # ms per step
+    ranked = sorted(zip(own, events), key=lambda pair: -pair[0])[:top]
+    return {"total_ms": round(sum(own), 4),
+            "top": [{"name": e.key, "ms": round(ms, 4), "calls": round(e.count / steps, 2)}
+                    for ms, e in ranked]}
+
+
+class StepWindow:
+    """torch.profiler over `count` steps of a run, from step `first` on: pass `on_step` to
+    `LLM.generate`, then `finish()` -> {"first", "steps", "ms_per_step" (wall), "works",
+    "verifications" (works that check drafts), "drafts" (means per step), "kernels"
+    (`kernel_table`)}, or None if the run ended before `first`. The window opens after step
+    first - 1 (or the first launched after it) and closes after the count-th launched step, each at
+    a synchronisation: it holds the device work of its steps and the host-queued work (critical
+    positions refreshed) of processing as many steps before."""
+
+    def __init__(self, device: torch.device, first: int, count: int, top: int):
+        self.device, self.first, self.count, self.top = device, first, count, top
+        self.prof, self.started, self.seconds, self.seen = None, 0.0, 0.0, []
+
+    def on_step(self, event) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.prof is None and event.step >= self.first - 1:
+            synchronize(self.device)
+            cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            self.prof = profile(activities=[ProfilerActivity.CPU] + cuda)
+            self.prof.__enter__()
+            self.started = time.perf_counter()
+        elif self.prof is not None and not self.seconds:
+            checking = sum(w.kind == "verify" and w.num_tokens > 1 for w in event.works)
+            drafting = sum(w.kind == "draft" for w in event.works)
+            self.seen.append((event.step, len(event.works), checking, drafting))
+            if len(self.seen) == self.count:
+                self._close()
+
+    def _close(self) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.started
+        self.prof.__exit__(None, None, None)
+
+    def finish(self) -> dict | None:
+        if self.prof is None or not self.seen:
+            return None
+        if not self.seconds:                          # the run ended inside the window
+            self._close()
+        n = len(self.seen)
+        works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
+        return {"first": self.seen[0][0], "steps": n,
+                "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
+                "verifications": verifications, "drafts": drafts,
+                "kernels": kernel_table(self.prof, n, self.device.type == "cuda", self.top)}
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int | None = None, reps: int = 5) -> float:

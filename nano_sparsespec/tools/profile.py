@@ -26,7 +26,7 @@ from ..llm import LLM
 from ..model import CausalLM, RotaryEmbedding
 from ..runner import ModelRunner
 from ..scheduler import Sequence, Status, Work
-from .measure import byte_model, model_label, synchronize, time_split
+from .measure import byte_model, kernel_table, model_label, synchronize, time_split
 
 # Model shapes for the step profile (random weights; no files): the fields that differ from a
 # Qwen3 model's (QWEN3_FIELDS). smollm2-135m is the embedded model's shape.
@@ -222,9 +222,7 @@ class StepProfiler:
 
     def kernel_times(self, kind: str, steps: int, top: int) -> dict:
         """Where the device time of a `kind` step goes, from torch.profiler over `steps` steps
-        (after `steps` unprofiled ones: graphs recorded) -> {"total_ms": all kernels' own time,
-        "top": the `top` kernels by own time, [{"name", "ms", "calls"}]}, per step. On a CPU,
-        operators instead of kernels."""
+        (after `steps` unprofiled ones: graphs recorded) -> `kernel_table`."""
         from torch.profiler import ProfilerActivity, profile
 
         run, cuda = getattr(self, kind), self.device.type == "cuda"
@@ -232,13 +230,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             run(steps)
-        events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
-        own = [(e.self_device_time_total if cuda else e.self_cpu_time_total) / steps / 1e3
-               for e in events]                                            # ms per step
-        ranked = sorted(zip(own, events), key=lambda pair: -pair[0])[:top]
-        return {"total_ms": round(sum(own), 4),
-                "top": [{"name": e.key, "ms": round(ms, 4), "calls": round(e.count / steps, 2)}
-                        for ms, e in ranked]}
+        return kernel_table(prof, steps, cuda, top)
 
     def plain_breakdown(self, reps: int) -> dict:
         """Where a plain step's time goes (means over `reps` instrumented steps), in ms."""

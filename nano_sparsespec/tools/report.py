@@ -72,6 +72,14 @@ def rows_markdown(result: dict) -> str:
         if frames:
             lines += ["", f"{r['name']}: compilations per function (seconds): " + ", ".join(
                 f"{name} {count} ({seconds:.1f})" for name, (count, seconds) in frames) + "."]
+    for r in (r for r in result["rows"] if r.get("step_window")):
+        w, k = r["step_window"], r["step_window"]["kernels"]
+        top = "; ".join(f"{x['name'][:70]} {x['ms']:.3f} ({x['calls']:g})" for x in k["top"])
+        lines += ["", f"{r['name']}, steps {w['first']}-{w['first'] + w['steps'] - 1} under "
+                      f"torch.profiler: {w['ms_per_step']:.2f} ms per step (wall), "
+                      f"{w['works']:.0f} requests per step ({w['verifications']:.1f} verifying, "
+                      f"{w['drafts']:.1f} drafting); {k['total_ms']:.2f} ms of kernels per step, "
+                      f"the most (ms per step, calls per step): {top}"]
     return "\n".join(lines)
 
 

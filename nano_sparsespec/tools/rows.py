@@ -34,8 +34,8 @@ from ..config import SamplingParams, SpecConfig
 from ..cuda_graphs import compile_seconds
 from ..device import common_prefix
 from ..llm import LLM
-from .measure import (ByteModel, CompiledFrames, PeakMemory, _left_padded, hf_kv_positions,
-                      synchronize)
+from .measure import (ByteModel, CompiledFrames, PeakMemory, StepWindow, _left_padded,
+                      hf_kv_positions, synchronize)
 
 DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 
@@ -100,7 +100,9 @@ def warm_up_tokens(stride: int) -> int:
 
 
 def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: list[SamplingParams],
-             bm: ByteModel) -> dict:
+             bm: ByteModel, window: StepWindow | None = None) -> dict:
+    """One row of ours; with `window`, torch.profiler watches some of its timed steps (`StepWindow`:
+    its synchronisations and the profiler's overhead fall inside the timed run)."""
     llm.spec = spec
     # Warm-up: the same requests with this row's settings, a few cycles long. torch.compile
     # specialises kernels on the first step of each kind (prefill chunks beside drafts and
@@ -121,7 +123,8 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
         with PeakMemory(llm.device) as mem:
             synchronize(llm.device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            outputs = llm.generate(None, params, prompt_token_ids=token_ids)
+            outputs = llm.generate(None, params, prompt_token_ids=token_ids,
+                                   on_step=window.on_step if window else None)
             synchronize(llm.device)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = llm.last_stats
@@ -161,7 +164,8 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
                 summary.get("acceptance_by_position"),
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
             "peak_memory_bytes": mem.peak_bytes + llm.model.weight_bytes(),
-            "token_ids": [o.token_ids for o in outputs]}
+            "token_ids": [o.token_ids for o in outputs],
+            **({"step_window": window.finish()} if window else {})}
 
 
 def batch_occupancy(stats, slots: int) -> float:
