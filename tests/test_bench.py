@@ -212,6 +212,23 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
     assert "Step profile" in printed and "Where the device time of a step goes" in printed
 
 
+def test_the_profile_drafts_with_the_rows_drafter(tiny_qwen3, tmp_path):
+    """--pillar-method sets the step profile's drafter too: pillar-lookup drafts look their input token up in the
+    context (a top-k over it, on the CPU an operator of its own), PillarAttn drafts do not."""
+    ops = {}
+    for method in ("pillar", "pillar-lookup"):
+        out = tmp_path / f"{method}.json"
+        argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48", "--profile-models",
+                "model", "--stride", str(K), "--min-budget", "8", "--profile-reps", "1", "--profile-accepted", "3",
+                "--device", "cpu", "--threads", "1", "--profile-kernels", "500", "--pillar-method", method,
+                "--json-out", str(out)]
+        assert bench.main(argv) == 0
+        entry = json.loads(out.read_text())["profile"][0]
+        assert entry["drafter"] == method
+        ops[method] = {x["name"] for x in entry["kernels"]["draft"]["top"]}
+    assert "aten::topk" in ops["pillar-lookup"] and "aten::topk" not in ops["pillar"]
+
+
 def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
     """`--compile` profiles the fast path whether or not a model is loaded: with Qwen3 shapes alone (no LLM built)
     the compiled kernels are switched on all the same (else such a profile would time the eager kernels)."""

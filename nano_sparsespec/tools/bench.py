@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=SpecConfig.prefill_chunk)
     p.add_argument("--pillar-method", default="pillar",
                    choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
-                   help="drafter of the pillar-naive / +balanced / +offload / +async rows")
+                   help="drafter of the pillar-naive / +balanced / +offload / +async rows and of "
+                        "the step profile")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="device KV pool of the +offload/+async rows, in blocks "
                         "(default: --kv-fraction of the need)")

@@ -104,19 +104,19 @@ class StepProfiler:
     """One plain, one draft and one verification step of `batch` requests that each hold
     `context` cached positions, run through the engine's `ModelRunner` (the kernels and host work a
     real step uses); and the mixed step of balanced batching, where one request in k + 1 verifies
-    while the others draft."""
+    while the others draft. Drafts attend as `method` drafts (pillar or pillar-lookup)."""
 
     def __init__(self, model: CausalLM, batch: int, context: int, stride: int,
                  device: torch.device, dtype: torch.dtype, budget_ratio: float, min_budget: int,
                  temperature: float, seed: int = 0, cuda_graphs: bool = False,
-                 block_size: int = SpecConfig.block_size):
+                 block_size: int = SpecConfig.block_size, method: str = "pillar"):
         cfg = model.config
         self.model, self.batch, self.context, self.k, self.device = (model, batch, context,
                                                                       stride, device)
         common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget,
                       max_batch=batch, block_size=block_size)
         self.plain_spec = SpecConfig(method="plain", **common)
-        self.spec = SpecConfig(method="pillar", **common)
+        self.spec = SpecConfig(method=method, **common)
         block = self.spec.block_size
         per_request = -(-(context + stride + 1) // block)
         self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch * per_request,
@@ -145,6 +145,8 @@ class StepProfiler:
         self.runner.set_selections(
             self.seqs, chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values,
             [self.budget] * batch)
+        if method == "pillar-lookup":                    # the drafts' token lookups search these
+            self.runner.set_context_tokens(self.seqs)
         self.bm = byte_model(model, dtype)
 
     def _steps(self, runner: ModelRunner, n_verify: int, verify_tokens: int, steps: int,
@@ -328,11 +330,11 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
             prof = StepProfiler(model, batch, context, args.stride, device, dtype,
                                 args.budget_ratio, args.min_budget, args.temperature, args.seed,
-                                args.cuda_graphs, args.block_size)
+                                args.cuda_graphs, args.block_size, args.pillar_method)
             measured = prof.measure(args.profile_reps)
             times = {kind: seconds for kind, (seconds, _) in measured.items()}
             nbytes = prof.step_bytes()
-            entry["budget"] = prof.budget
+            entry["budget"], entry["drafter"] = prof.budget, args.pillar_method
             for kind, (seconds, host) in measured.items():
                 entry[kind] = {"ms": round(seconds * 1e3, 3), "host_ms": round(host * 1e3, 3),
                                "bytes": nbytes[kind], "gbs": round(nbytes[kind] / seconds / 1e9, 2)}
