@@ -354,13 +354,15 @@ class ModelRunner:
     # --- the readout -------------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor, r: Readout) -> tuple[torch.Tensor, torch.Tensor]:
         """The LM head over drafts' and checks' rows in one matmul -> [Nd, V], [Bv * (M+1), V].
-        Checks first: the compiled verification then meets its logits at the same place in
-        every step (torch.compile specialises a storage offset of 0)."""
+        torch.compile specialises a storage offset of 0, so each compiled sampler meets its
+        logits at the same kind of place in every step: the checks' first, the drafts' never (a
+        step without checks leads with a copy of the first draft's row)."""
         none = hidden.new_zeros(0, dtype=torch.long)
         drafts = r.draft_logit_row if r.draft_row is not None else none
         checks = r.check_logit_rows.flatten() if r.check_row is not None else none
-        logits = self.model.logits(hidden[torch.cat([checks, drafts])])   # [Bv * (M+1) + Nd, V]
-        return logits[checks.shape[0]:], logits[:checks.shape[0]]
+        lead = checks if checks.shape[0] else drafts[:1]
+        logits = self.model.logits(hidden[torch.cat([lead, drafts])])   # [Bv * (M+1) + Nd, V]
+        return logits[lead.shape[0]:], logits[:checks.shape[0]]
 
     def _sample_drafts(self, logits: torch.Tensor, r: Readout) -> None:
         """Sample drafts from logits [Nd, V] into the draft buffer (and their distributions)."""
