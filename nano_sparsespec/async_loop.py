@@ -323,7 +323,8 @@ class Engine:
         keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
         valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool,
                           device)
-        return pillar_attn.keep_first(chosen, to_device(widths, torch.long, device), keep, valid)
+        return pillar_attn.keep_first(chosen, to_device(widths, torch.long, device), keep, valid,
+                                      self.max_len)
 
     def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
                             scores: torch.Tensor | None = None) -> None:

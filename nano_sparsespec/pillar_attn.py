@@ -121,15 +121,19 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
 
 
 def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                extra_valid: torch.Tensor) -> torch.Tensor:
+                extra_valid: torch.Tensor, positions: int) -> torch.Tensor:
     """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
     budget: those `extra` does not hold, the lowest-ranked making room.
 
     selection: [B, L, n_kv, N] positions best first (as `top_positions` returns them), the first
-    selection_len [B] of them real; extra, extra_valid: [B, M] -> keep [B, L, n_kv, N] bool."""
-    N = selection.shape[-1]
-    held = ((selection[..., None] == extra[:, None, None, None, :])
-            & extra_valid[:, None, None, None, :]).any(-1)                     # [B, L, n_kv, N]
+    selection_len [B] of them real; extra, extra_valid: [B, M]; every position (all of
+    selection's, extra's valid ones) below `positions`, a context's capacity
+    -> keep [B, L, n_kv, N] bool."""
+    B, N = selection.shape[0], selection.shape[-1]
+    # each request's valid extra positions marked (column `positions`: the invalid ones)
+    marked = torch.zeros(B, positions + 1, dtype=torch.bool, device=selection.device)
+    marked.scatter_(1, torch.where(extra_valid, extra, positions), True)
+    held = marked.gather(1, selection.flatten(1)).view_as(selection)         # [B, L, n_kv, N]
     kept_len = selection_len - extra_valid.sum(1)                              # [B]
     real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]  # [B, N]
     keep = ~held & real[:, None, None, :]
@@ -137,14 +141,14 @@ def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: tor
 
 
 def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                 extra_valid: torch.Tensor, extra_first: bool) -> torch.Tensor:
+                 extra_valid: torch.Tensor, positions: int, extra_first: bool) -> torch.Tensor:
     """One list of the `kept_beside` positions in rank order and the valid extra ones in their
     order (first, or after the kept), selection_len in all (the rest is padding).
 
     Arguments as `kept_beside` -> [B, L, n_kv, N]."""
     B, L, n_kv, N = selection.shape
     M = extra.shape[1]
-    keep = kept_beside(selection, selection_len, extra, extra_valid)
+    keep = kept_beside(selection, selection_len, extra, extra_valid, positions)
     kept_rank = keep.cumsum(-1) - 1                                            # [B, L, n_kv, N]
     extra_rank = extra_valid.cumsum(1) - 1                                     # [B, M]
     if extra_first:
@@ -160,7 +164,7 @@ def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: to
 
 
 def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch.Tensor,
-               keep_valid: torch.Tensor) -> torch.Tensor:
+               keep_valid: torch.Tensor, positions: int) -> torch.Tensor:
     """A ranked selection with the valid `keep` positions (distinct, inside the context) ranked
     first, the budget unchanged: arguments and result as `merge_ranked`."""
-    return merge_ranked(selection, selection_len, keep, keep_valid, extra_first=True)
+    return merge_ranked(selection, selection_len, keep, keep_valid, positions, extra_first=True)

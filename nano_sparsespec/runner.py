@@ -335,8 +335,8 @@ class ModelRunner:
                 input_ids[dev["sparse_first_row"]], dev["sparse_verified"], self.spec.num_lookups,
                 prev)
             keep = lookup.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width],
-                                              n_sel, found_at,
-                                              found_valid)                  # [Bs, L, n_kv, Nsel]
+                                              n_sel, found_at, found_valid,  # [Bs, L, n_kv, Nsel]
+                                              self.model.config.max_position_embeddings)
             lookup_column = n_sel[:, None] + torch.arange(M, device=self.device)   # [Bs, M]
             self._fill_draft_buffers(self.block_tables[rows],
                                      found_at[:, None, None, :].expand(-1, L, n_kv, -1), rows,

@@ -658,7 +658,7 @@ def test_keep_first_ranks_the_kept_positions_first_within_the_budget():
     selection = torch.tensor([[[[5, 3, 9, 1, 0, 0]]], [[[7, 2, 4, 6, 8, 0]]]])      # [B, L, n_kv, N]
     keep = torch.tensor([[9, 10, 0], [1, 0, 0]])
     valid = torch.tensor([[True, True, False], [True, False, False]])
-    out = keep_first(selection, torch.tensor([4, 5]), keep, valid)
+    out = keep_first(selection, torch.tensor([4, 5]), keep, valid, 11)
     assert out[0, 0, 0, :4].tolist() == [9, 10, 5, 3]
     assert out[1, 0, 0, :5].tolist() == [1, 7, 2, 4, 6]
 
