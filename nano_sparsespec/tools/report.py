@@ -18,6 +18,11 @@ def _batch_label(settings: dict) -> str:
         f" ({requests} requests)" if requests != settings["batch_size"] else "")
 
 
+def _kernel_list(kernels: dict) -> str:
+    """`measure.kernel_table`'s largest kernels as 'name ms (calls); ...', names cut to 70 chars."""
+    return "; ".join(f"{x['name'][:70]} {x['ms']:.3f} ({x['calls']:g})" for x in kernels["top"])
+
+
 def rows_markdown(result: dict) -> str:
     s = result["settings"]
     # On a CPU, also the speedup in CPU time of this process (robust to other jobs).
@@ -74,7 +79,7 @@ def rows_markdown(result: dict) -> str:
                 f"{name} {count} ({seconds:.1f})" for name, (count, seconds) in frames) + "."]
     for r in (r for r in result["rows"] if r.get("step_window")):
         w, k = r["step_window"], r["step_window"]["kernels"]
-        top = "; ".join(f"{x['name'][:70]} {x['ms']:.3f} ({x['calls']:g})" for x in k["top"])
+        top = _kernel_list(k)
         lines += ["", f"{r['name']}, steps {w['first']}-{w['first'] + w['steps'] - 1} under "
                       f"torch.profiler: {w['ms_per_step']:.2f} ms per step (wall), "
                       f"{w['works']:.0f} requests per step ({w['verifications']:.1f} verifying, "
@@ -137,7 +142,7 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
                       f"{e['context']} (ms per step; the kernels that take the most, calls per "
                       f"step):", ""]
         for kind, k in e["kernels"].items():
-            top = "; ".join(f"{x['name'][:70]} {x['ms']:.3f} ({x['calls']:g})" for x in k["top"])
+            top = _kernel_list(k)
             lines.append(f"- {kind}: {k['total_ms']:.2f} in all; {top}")
     done = [e for e in profile if "plain_breakdown_ms" in e]
     if done:
