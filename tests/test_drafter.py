@@ -191,11 +191,11 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
             own = n_sel[b] + self.lookups + window[b] - 1                        # the draft's own column
             recent = list(range(seq.num_verified, seq.num_verified + window[b] - 1))
             for layer, head in itertools.product(range(self.num_layers), range(self.n_kv)):
-                seen = batch.valid[layer, row, head]
+                seen = batch.valid[layer, row, head].cpu()
                 positions = torch.tensor(critical[b][layer, head, :n_sel[b]].tolist() + recent)
                 slots = self.cache.slots_of(seq.seq_id, positions)
-                held = self.draft_k[layer, row, head, columns[seen & (columns != own)]]
-                wanted = self.cache.k[layer, slots, head]
+                held = self.draft_k[layer, row, head].float().cpu()[columns[seen & (columns != own)]]
+                wanted = self.cache.k[layer, :, head].float().cpu()[slots]
                 projection = torch.randn(held.shape[-1], generator=torch.Generator().manual_seed(0))
                 checked.append(int(seen.sum()) == n_sel[b] + window[b] and bool(seen[own]) and torch.allclose(
                     (held @ projection).sort().values, (wanted @ projection).sort().values))
