@@ -951,3 +951,28 @@ def test_the_fast_path_switches_on_every_compiled_piece(monkeypatch, tmp_path):
         kernels.use_eager_kernels()
         model_module.use_eager_elementwise()
         verifier.use_eager_sampling()
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 6), (torch.float16, 3)])
+def test_draft_buffers_receive_the_pools_rows_of_their_positions(dtype, head_dim):
+    """fill_draft_buffers copies, for each (request, layer, KV head), the pool's K and V rows of its positions into its
+    columns of its row of the draft buffers, whatever word a row is copied in; nothing else changes."""
+    g = torch.Generator().manual_seed(0)
+    L, n_kv, bs, blocks, rows_total, C = 2, 3, 4, 12, 5, 7
+    k_cache, v_cache = (torch.randn(L, blocks * bs, n_kv, head_dim, generator=g).to(dtype) for _ in range(2))
+    draft_k, draft_v = (torch.zeros(L, rows_total + 1, n_kv, C, head_dim, dtype=dtype) for _ in range(2))
+    rows = torch.tensor([3, 0])
+    block_table = torch.stack([torch.randperm(blocks, generator=g)[:3] for _ in rows])    # [B, 3]: 12 positions
+    positions = torch.randint(0, 3 * bs, (2, L, n_kv, 4), generator=g)
+    columns = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]])
+    attention.fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, block_table, bs, positions, rows, columns)
+    expected_k, expected_v = torch.zeros_like(draft_k), torch.zeros_like(draft_v)
+    for b, row in enumerate(rows.tolist()):
+        for layer in range(L):
+            for head in range(n_kv):
+                for n, column in enumerate(columns[b].tolist()):
+                    pos = int(positions[b, layer, head, n])
+                    slot = int(block_table[b, pos // bs]) * bs + pos % bs
+                    expected_k[layer, row, head, column] = k_cache[layer, slot, head]
+                    expected_v[layer, row, head, column] = v_cache[layer, slot, head]
+    assert torch.equal(draft_k, expected_k) and torch.equal(draft_v, expected_v)
