@@ -158,6 +158,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "compiled_frames": compiled.frames,
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
             "batch_occupancy": batch_occupancy(stats, spec.max_batch),
+            "occupancy_by_tenth": occupancy_by_tenth(stats, spec.max_batch),
             "mean_accepted": summary.get("mean_accepted"),
             "mean_offered": summary.get("mean_offered"),
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
@@ -176,8 +177,26 @@ def batch_occupancy(stats, slots: int) -> float:
     keep running after the others are done; --num-requests keeps the slots full until the last
     requests.
     """
-    decoding = [v + d for v, d in zip(stats.verifications_per_step, stats.drafts_per_step)]
+    decoding = decoding_per_step(stats)
     return statistics.mean(decoding) / slots if decoding else 0.0
+
+
+def occupancy_by_tenth(stats, slots: int) -> list[float]:
+    """`batch_occupancy` over each tenth of the run's steps in turn (fewer parts for a run of
+    fewer than ten steps): where in the run the idle slots lie, e.g. in a tail where the requests
+    that accept least decode on alone."""
+    decoding = decoding_per_step(stats)
+    if not decoding:
+        return []
+    parts = min(10, len(decoding))
+    bounds = [len(decoding) * i // parts for i in range(parts + 1)]
+    return [round(statistics.mean(decoding[first:end]) / slots, 4)
+            for first, end in zip(bounds, bounds[1:])]
+
+
+def decoding_per_step(stats) -> list[int]:
+    """Requests that draft or verify in each step of a run."""
+    return [v + d for v, d in zip(stats.verifications_per_step, stats.drafts_per_step)]
 
 
 def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
@@ -233,7 +252,7 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
         torch.cuda.empty_cache()
     return {"tokens": sum(lens), "seconds": seconds, "cpu_seconds": cpu_seconds, "steps": steps,
             "kv_positions": kv,
-            "batch_occupancy": None,
+            "batch_occupancy": None, "occupancy_by_tenth": None,
             "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None,
             "verifications": 0,
             "offloads": 0, "restores": 0, "kv_blocks": None,
