@@ -1,8 +1,11 @@
-"""How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math).
+"""How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math), and
+where its slot-steps go when every request accepts alike.
 
 The engine, scheduler and bucketing run as they do on the GPU; the device step is replaced by one that
 accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does) and selects the budget's
-first positions. Prompts of 60-250 tokens, greedy, every request writes all its tokens.
+first positions. Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a
+request drafts or verifies (busy), sits out a step while its verification is in flight (stall), waits
+for its verify slot or its prefill, or the slot holds no request (empty).
 
     python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY]]
     python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced
@@ -10,6 +13,7 @@ first positions. Prompts of 60-250 tokens, greedy, every request writes all its 
 import random
 import sys
 import tempfile
+from collections import Counter
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,12 +71,25 @@ def main() -> None:
     kernels.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
+    slot_steps = Counter()
+
+    def count_slots(event):
+        working = {id(w.seq) for w in event.works}
+        slot_steps["busy"] += len(working)
+        slot_steps["empty"] += batch - len(event.running) - len(event.offloaded)
+        for seq in event.running + event.offloaded:
+            if id(seq) not in working:
+                slot_steps["stall" if seq.awaiting_result else "wait"] += 1
+
     llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),
-                 prompt_token_ids=prompts)
+                 prompt_token_ids=prompts, on_step=count_slots)
     print(f"{method} {policy}, batch {batch}, {requests} requests x {tokens} tokens: "
           f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
           f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel and "
           f"{len(score_pass_shapes(BucketCounter.recorded))} of its score pass (a compilation each)")
+    total = batch * llm.last_stats.steps
+    print("slot-steps: " + ", ".join(f"{kind} {slot_steps[kind] / total:.1%}"
+                                     for kind in ("busy", "stall", "wait", "empty")))
 
 
 def paged_kernel_shapes(buckets) -> set:
