@@ -2,6 +2,7 @@
 sane values, greedy rows of ours equal plain decoding, the byte model matches hand-computed cases, and the step
 profile runs on tiny shapes (including a random-weight model built from a config)."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from nano_sparsespec.device import common_prefix
 from nano_sparsespec.tools import bench, measure, profile, report, rows as bench_rows
 from nano_sparsespec.config import SamplingParams
 from nano_sparsespec.scheduler import Sequence, Work
+from nano_sparsespec.tools.measure import StepClock, tenths
 
 BATCH, TOKENS, K = 2, 16, 4
 
@@ -57,6 +59,9 @@ def test_every_row_is_measured_with_sane_values(rows_result, tiny_qwen3):
             tenths = r["occupancy_by_tenth"]            # the run's steps in ten parts, each part's mean
             assert len(tenths) == min(10, r["steps"]) and all(0 <= t <= 1 for t in tenths), name
             assert min(tenths) <= r["batch_occupancy"] <= max(tenths), name
+            shares = r["time_by_tenth"]                 # ... and the share of the run's time each part took
+            assert len(shares) == len(tenths) and all(x > 0 for x in shares), name
+            assert sum(shares) == pytest.approx(1, abs=1e-3), name
         assert "token_ids" not in r                       # the JSON keeps figures, not outputs
         if name != "hf":
             assert r["compile_seconds"] == 0, name       # nothing compiles without --compile
@@ -326,3 +331,15 @@ def test_rows_with_cuda_graphs_run_no_warm_up(tiny_qwen3, prompts_file, monkeypa
     assert bench.main(argv + ["--cuda-graphs"]) == 0 and runs == [True]
     runs.clear()
     assert bench.main(argv) == 0 and runs == [False] * 3
+
+
+def test_the_step_clock_leaves_out_graph_recording():
+    """StepClock: a step lasts from its start to the next one's, less the CUDA-graph recording its launch did (the
+    events' cumulative graph_record_seconds); the run's time in tenths of its steps sums to 1."""
+    clock = StepClock()
+    # (started, graph recording so far after the step's launch): step 1's launch records for 0.5 s
+    for started, recorded in [(0.0, 0.0), (1.0, 0.5), (1.6, 0.5), (2.0, 0.5)]:
+        clock.on_step(SimpleNamespace(started=started, graph_record_seconds=recorded))
+    # steps of 1.0, 0.1, 0.4 and 1.0 s (the last until the run's end at 3.0)
+    assert clock.time_by_tenth(3.0) == pytest.approx([0.4, 0.04, 0.16, 0.4])
+    assert tenths(25)[:3] == [(0, 2), (2, 5), (5, 7)] and len(tenths(25)) == 10 and tenths(0) == []

@@ -3,8 +3,9 @@
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
 position it attends to), `PeakMemory`, `CompiledFrames` (torch.compile's compilations per
 function), `kernel_table` and `StepWindow` (the kernels of a run's steps, from torch.profiler),
-the device's copy bandwidth and the roofline peak, and the machine and git state a result
-records; `time_split`, where a forward's time goes.
+`StepClock` and `tenths` (where in a run its time goes), the device's copy bandwidth and the
+roofline peak, and the machine and git state a result records; `time_split`, where a forward's
+time goes.
 """
 from __future__ import annotations
 
@@ -217,6 +218,37 @@ class StepWindow:
                 "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
                 "verifications": verifications, "drafts": drafts,
                 "kernels": kernel_table(self.prof, n, self.device.type == "cuda", self.top)}
+
+
+def tenths(steps: int) -> list[tuple[int, int]]:
+    """A run's steps [0, steps) cut into ten parts in turn, (first, end) each (fewer parts for
+    fewer than ten steps)."""
+    parts = min(10, steps)
+    bounds = [steps * i // parts for i in range(parts + 1)] if parts else []
+    return list(zip(bounds, bounds[1:]))
+
+
+class StepClock:
+    """When each launched step of a run began, on a clock that leaves out CUDA-graph recording:
+    pass `on_step` to `LLM.generate`, then `time_by_tenth(end)`."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.recorded = 0.0          # graph recording so far, before the step now observed
+
+    def on_step(self, event) -> None:
+        self.starts.append(event.started - self.recorded)
+        self.recorded = event.graph_record_seconds     # ... now with this step's recording
+
+    def time_by_tenth(self, end: float) -> list[float]:
+        """The share of the run's time (to `end`, time.perf_counter() when it ended) spent in each
+        tenth of its steps (`tenths`): whether a tail of few busy slots is cheap or dear."""
+        if not self.starts:
+            return []
+        marks = self.starts + [end - self.recorded]
+        total = marks[-1] - marks[0]
+        return [round((marks[stop] - marks[first]) / total, 4)
+                for first, stop in tenths(len(self.starts))]
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int | None = None, reps: int = 5) -> float:

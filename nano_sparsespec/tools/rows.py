@@ -34,8 +34,8 @@ from ..config import SamplingParams, SpecConfig
 from ..cuda_graphs import compile_seconds
 from ..device import common_prefix
 from ..llm import LLM
-from .measure import (ByteModel, CompiledFrames, PeakMemory, StepWindow, _left_padded,
-                      hf_kv_positions, synchronize)
+from .measure import (ByteModel, CompiledFrames, PeakMemory, StepClock, StepWindow,
+                      _left_padded, hf_kv_positions, synchronize, tenths)
 
 DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 
@@ -123,10 +123,12 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
         with PeakMemory(llm.device) as mem:
             synchronize(llm.device)
             start, cpu_start = time.perf_counter(), time.process_time()
+            clock = StepClock()
             outputs = llm.generate(None, params, prompt_token_ids=token_ids,
-                                   on_step=window.on_step if window else None)
+                                   on_step=lambda event: observe_step(event, clock, window))
             synchronize(llm.device)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+            end = start + seconds
     stats = llm.last_stats
     errors = [o.error for o in outputs if o.error]
     if errors:
@@ -159,6 +161,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "steps": stats.steps, "kv_positions": kv, "bytes_read": bm.run_bytes(stats.steps, kv),
             "batch_occupancy": batch_occupancy(stats, spec.max_batch),
             "occupancy_by_tenth": occupancy_by_tenth(stats, spec.max_batch),
+            "time_by_tenth": clock.time_by_tenth(end),
             "mean_accepted": summary.get("mean_accepted"),
             "mean_offered": summary.get("mean_offered"),
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
@@ -167,6 +170,12 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "peak_memory_bytes": mem.peak_bytes + llm.model.weight_bytes(),
             "token_ids": [o.token_ids for o in outputs],
             **({"step_window": window.finish()} if window else {})}
+
+
+def observe_step(event, clock: StepClock, window: StepWindow | None) -> None:
+    clock.on_step(event)
+    if window is not None:
+        window.on_step(event)
 
 
 def batch_occupancy(stats, slots: int) -> float:
@@ -182,16 +191,11 @@ def batch_occupancy(stats, slots: int) -> float:
 
 
 def occupancy_by_tenth(stats, slots: int) -> list[float]:
-    """`batch_occupancy` over each tenth of the run's steps in turn (fewer parts for a run of
-    fewer than ten steps): where in the run the idle slots lie, e.g. in a tail where the requests
-    that accept least decode on alone."""
+    """`batch_occupancy` over each tenth of the run's steps in turn (`tenths`): where in the run
+    the idle slots lie, e.g. in a tail where the requests that accept least decode on alone."""
     decoding = decoding_per_step(stats)
-    if not decoding:
-        return []
-    parts = min(10, len(decoding))
-    bounds = [len(decoding) * i // parts for i in range(parts + 1)]
     return [round(statistics.mean(decoding[first:end]) / slots, 4)
-            for first, end in zip(bounds, bounds[1:])]
+            for first, end in tenths(len(decoding))]
 
 
 def decoding_per_step(stats) -> list[int]:
@@ -252,7 +256,7 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
         torch.cuda.empty_cache()
     return {"tokens": sum(lens), "seconds": seconds, "cpu_seconds": cpu_seconds, "steps": steps,
             "kv_positions": kv,
-            "batch_occupancy": None, "occupancy_by_tenth": None,
+            "batch_occupancy": None, "occupancy_by_tenth": None, "time_by_tenth": None,
             "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None,
             "verifications": 0,
             "offloads": 0, "restores": 0, "kv_blocks": None,
