@@ -56,11 +56,11 @@ def test_every_row_is_measured_with_sane_values(rows_result, tiny_qwen3):
             assert r["seconds"] >= r["engine_seconds"] > 0, name       # the timed run covers the engine's loop
             # prefill-only steps decode nothing, so no row of ours fills every slot in every step
             assert 0 < r["batch_occupancy"] < 1, name
-            tenths = r["occupancy_by_tenth"]            # the run's steps in ten parts, each part's mean
-            assert len(tenths) == min(10, r["steps"]) and all(0 <= t <= 1 for t in tenths), name
-            assert min(tenths) <= r["batch_occupancy"] <= max(tenths), name
+            busy = r["occupancy_by_tenth"]              # the run's steps in ten parts, each part's mean
+            assert len(busy) == min(10, r["steps"]) and all(0 <= x <= 1 for x in busy), name
+            assert min(busy) <= r["batch_occupancy"] <= max(busy), name
             shares = r["time_by_tenth"]                 # ... and the share of the run's time each part took
-            assert len(shares) == len(tenths) and all(x > 0 for x in shares), name
+            assert len(shares) == len(busy) and all(x > 0 for x in shares), name
             assert sum(shares) == pytest.approx(1, abs=1e-3), name
         assert "token_ids" not in r                       # the JSON keeps figures, not outputs
         if name != "hf":

@@ -173,6 +173,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
 
 
 def observe_step(event, clock: StepClock, window: StepWindow | None) -> None:
+    """A timed run's `on_step`: the clock sees every step, the profiler's window (if any) too."""
     clock.on_step(event)
     if window is not None:
         window.on_step(event)
