@@ -68,10 +68,12 @@ def test_every_row_is_measured_with_sane_values(rows_result, tiny_qwen3):
     assert rows["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
     assert rows["plain"]["speedup_vs_plain_cpu_time"] == pytest.approx(1.0)
     for name in ("hf", "plain"):
-        assert rows[name]["mean_accepted"] is None
+        assert rows[name]["mean_accepted"] is None and rows[name]["accepted_by_request"] is None
     for name in ("ngram", "streaming", "pillar-naive", "+balanced", "+offload", "+async"):
         r = rows[name]
         assert 0 < r["mean_accepted"] <= r["mean_offered"] <= K, name
+        spread = list(r["accepted_by_request"].values())   # min, p10, median, p90, max of the requests' means
+        assert spread == sorted(spread) and spread[0] <= r["mean_accepted"] <= spread[-1], name
         # each request's first token comes from its prefill, then each verification writes its accepted drafts and
         # one token of its own (those that checked no draft, not counted in `verifications`, one token each)
         assert BATCH + r["verifications"] * (r["mean_accepted"] + 1) <= r["tokens"] + 0.01, name

@@ -164,6 +164,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "time_by_tenth": clock.time_by_tenth(end),
             "mean_accepted": summary.get("mean_accepted"),
             "mean_offered": summary.get("mean_offered"),
+            "accepted_by_request": accepted_by_request(outputs),
             "verifications": summary.get("verifications", 0), "acceptance_by_position":
                 summary.get("acceptance_by_position"),
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
@@ -189,6 +190,18 @@ def batch_occupancy(stats, slots: int) -> float:
     """
     decoding = decoding_per_step(stats)
     return statistics.mean(decoding) / slots if decoding else 0.0
+
+
+def accepted_by_request(outputs) -> dict | None:
+    """Quantiles of the requests' own mean accepted drafts (min, p10, median, p90, max): how
+    unlike the requests accept, which sets how long the slowest decode on alone at a run's end.
+    None for a row without drafts."""
+    means = sorted(o.stats["mean_accepted"] for o in outputs
+                   if o.stats.get("mean_accepted") is not None)
+    if not means:
+        return None
+    at = {"min": 0, "p10": 0.1, "median": 0.5, "p90": 0.9, "max": 1}
+    return {name: means[round(q * (len(means) - 1))] for name, q in at.items()}
 
 
 def occupancy_by_tenth(stats, slots: int) -> list[float]:
@@ -259,7 +272,7 @@ def run_hf(llm: LLM, token_ids: list[list[int]], args, bm: ByteModel) -> dict:
             "kv_positions": kv,
             "batch_occupancy": None, "occupancy_by_tenth": None, "time_by_tenth": None,
             "bytes_read": bm.run_bytes(steps, kv), "mean_accepted": None, "mean_offered": None,
-            "verifications": 0,
+            "accepted_by_request": None, "verifications": 0,
             "offloads": 0, "restores": 0, "kv_blocks": None,
             "peak_memory_bytes": mem.peak_bytes,
             "hf_weight_bytes": weights, "token_ids": outputs}
