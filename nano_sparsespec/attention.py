@@ -196,10 +196,10 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def as_words(table: torch.Tensor) -> torch.Tensor:
     """A 2-D table with contiguous rows viewed as integers, the widest that tile a row:
-    [rows, width] -> [rows, width * element size / word size]. A row copy (`index_select`,
-    `index_copy_`) then moves a quarter as many elements of a bfloat16 row, each four times as
-    wide; on the CPU, integer rows also copy far faster than advanced indexing of floating-point
-    ones."""
+    [rows, width] -> [rows, width * element size / word size]. A copy of rows (`index_select`,
+    or `take` / `put_` by word) then moves a quarter as many elements of a bfloat16 row, each
+    four times as wide; on the CPU, integer rows also copy far faster than advanced indexing of
+    floating-point ones."""
     row_bytes = table.shape[1] * table.element_size()
     word = next(size for size in (8, 4, 2, 1) if row_bytes % size == 0)
     return table.view(_INTEGER_OF_SIZE[table.element_size()]).view(_INTEGER_OF_SIZE[word])
