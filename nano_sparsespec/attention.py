@@ -161,10 +161,10 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
     k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: [L, rows + 1, n_kv, C, D];
     block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer
     and KV head; columns: [B, n] where they go in each (layer, KV head) of the row.
-    Rows of D move as integer words (`as_words`) through one flat index of words each way
-    (`take`, `put_`): one read and one write per pool, whatever the number of layers and heads.
-    On the GPU an element-wise copy by word index moves scattered rows of a few words faster
-    than `index_select` / `index_copy_` by row."""
+    Rows of D move as integer words (`as_words`), read through one flat index of words (`take`)
+    and written by row (`index_copy_`): one read and one write per pool, whatever the number of
+    layers and heads. On the GPU an element-wise read by word index gathers scattered rows of a
+    few words faster than `index_select` by row."""
     L, pool_slots, n_kv, D = k_cache.shape
     C = draft_k.shape[-2]
     # [B, L, n_kv, n]
@@ -180,11 +180,10 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
         + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)
     words_per_row = as_words(k_cache.view(-1, D)).shape[1]
     word = torch.arange(words_per_row, device=positions.device)
-    source_words = (source.reshape(-1, 1) * words_per_row + word).flatten()   # [rows * words]
-    target_words = (target.reshape(-1, 1) * words_per_row + word).flatten()
+    source_words = source.reshape(-1, 1) * words_per_row + word                # [rows, words]
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
-        as_words(buffer.view(-1, D)).view(-1).put_(
-            target_words, as_words(cache.view(-1, D)).view(-1).take(source_words))
+        as_words(buffer.view(-1, D)).index_copy_(
+            0, target.flatten(), as_words(cache.view(-1, D)).view(-1).take(source_words))
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -197,7 +196,7 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def as_words(table: torch.Tensor) -> torch.Tensor:
     """A 2-D table with contiguous rows viewed as integers, the widest that tile a row:
     [rows, width] -> [rows, width * element size / word size]. A copy of rows (`index_select`,
-    or `take` / `put_` by word) then moves a quarter as many elements of a bfloat16 row, each
+    `take` by word, `index_copy_`) then moves a quarter as many elements of a bfloat16 row, each
     four times as wide; on the CPU, integer rows also copy far faster than advanced indexing of
     floating-point ones."""
     row_bytes = table.shape[1] * table.element_size()
