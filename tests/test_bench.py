@@ -287,28 +287,36 @@ def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
     assert "batch 2 (5 requests)" in (tmp_path / "b.md").read_text()
 
 
-def test_a_window_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):
-    """--trace-steps FIRST:COUNT: each row of ours reports the kernels (on the CPU: operators) of COUNT of its steps
-    from step FIRST, what those steps held and their wall time; a window past a row's end is None."""
+def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):
+    """--trace-steps FIRST:COUNT[,FIRST:COUNT]: each row of ours reports, per window, the kernels (on the CPU:
+    operators) of COUNT of its steps from step FIRST, what those steps held and their wall time; a window past a
+    row's end is None; windows must not overlap."""
     argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
             "--batch-size", "2", "--max-new-tokens", "12", "--ignore-eos", "--stride", "2", "--min-budget", "8",
             "--device", "cpu", "--threads", "1", "--rows", "plain,+async", "--profile-kernels", "4",
             "--json-out", str(tmp_path / "b.json")]
-    assert bench.main(argv + ["--trace-steps", "5:3"]) == 0
+    assert bench.main(argv + ["--trace-steps", "2:2,5:3"]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
     for name, r in rows.items():
-        w = r["step_window"]
-        assert (w["first"], w["steps"]) == (5, 3) and w["ms_per_step"] > 0, name
-        assert 0 < w["works"] <= 2 and w["verifications"] + w["drafts"] <= w["works"], name   # (+async: a stall)
-        top = w["kernels"]["top"]
-        assert len(top) == 4 and top[0]["ms"] >= top[-1]["ms"] > 0 and w["kernels"]["total_ms"] >= top[0]["ms"]
-    assert rows["plain"]["step_window"]["works"] == 2
-    assert rows["plain"]["step_window"]["verifications"] == 0 < rows["+async"]["step_window"]["verifications"]
-    assert "+async, steps 5-7 under torch.profiler" in capsys.readouterr().out
-    assert bench.main(argv + ["--trace-steps", "500:3"]) == 0
-    assert all(r["step_window"] is None for r in json.loads((tmp_path / "b.json").read_text())["rows"])
+        first, second = r["step_windows"]     # (a window opens at the first step launched from FIRST on)
+        assert (first["steps"], second["steps"]) == (2, 3) and 2 <= first["first"] <= 3 and second["first"] == 5, name
+        for w in r["step_windows"]:
+            assert w["ms_per_step"] > 0, name
+            assert 0 < w["works"] <= 2 and w["verifications"] + w["drafts"] <= w["works"], name   # (+async: stall)
+            top = w["kernels"]["top"]
+            assert len(top) == 4 and top[0]["ms"] >= top[-1]["ms"] > 0 and w["kernels"]["total_ms"] >= top[0]["ms"]
+    assert rows["plain"]["step_windows"][1]["works"] == 2
+    assert rows["plain"]["step_windows"][1]["verifications"] == 0 < rows["+async"]["step_windows"][1]["verifications"]
+    out = capsys.readouterr().out
+    assert "+async, steps 2-3 under torch.profiler" in out or "+async, steps 3-4 under" in out
+    assert "+async, steps 5-7 under torch.profiler" in out
+    assert bench.main(argv + ["--trace-steps", "5:3,500:3"]) == 0
+    windows = [r["step_windows"] for r in json.loads((tmp_path / "b.json").read_text())["rows"]]
+    assert all(w[0] is not None and w[1] is None for w in windows)
     assert bench.main(argv + ["--trace-steps", "5"]) == 2
     assert "bad --trace-steps '5': expected FIRST:COUNT" in capsys.readouterr().err
+    assert bench.main(argv + ["--trace-steps", "5:3,6:2"]) == 2
+    assert "bad --trace-steps '6:2': it starts inside or before the window before it" in capsys.readouterr().err
 
 
 def test_fewer_requests_than_slots_is_an_error(tiny_qwen3, capsys):

@@ -107,11 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="with --profile-steps: the N kernels that take the most device time in "
                         "each step kind (torch.profiler; on a CPU, operators)")
-    p.add_argument("--trace-steps", default=None, metavar="FIRST:COUNT",
+    p.add_argument("--trace-steps", default=None, metavar="FIRST:COUNT[,FIRST:COUNT...]",
                    help="each row of ours: torch.profiler over COUNT of its timed steps from step "
-                        "FIRST, the kernels that take the most device time (--profile-kernels, "
-                        "default 25) and the steps' wall time; the row's tok/s then holds the "
-                        "profiler's overhead")
+                        "FIRST (each window in turn), the kernels that take the most device time "
+                        "(--profile-kernels, default 25) and the steps' wall time; the row's "
+                        "tok/s then holds the profiler's overhead")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "
@@ -119,16 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_trace_steps(text: str) -> tuple[int, int]:
-    """'FIRST:COUNT' -> (FIRST, COUNT), FIRST >= 1 and COUNT >= 1."""
-    try:
-        first, count = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"bad --trace-steps {text!r}: expected FIRST:COUNT, e.g. 3000:20"
-                         ) from None
-    if first < 1 or count < 1:
-        raise ValueError(f"bad --trace-steps {text!r}: FIRST and COUNT must be >= 1")
-    return first, count
+def parse_trace_steps(text: str) -> list[tuple[int, int]]:
+    """'FIRST:COUNT,FIRST:COUNT...' -> [(FIRST, COUNT), ...], FIRST >= 1 and COUNT >= 1, each
+    window after the one before."""
+    windows = []
+    for part in text.split(","):
+        try:
+            first, count = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"bad --trace-steps {part!r}: expected FIRST:COUNT, e.g. 3000:20"
+                             ) from None
+        if first < 1 or count < 1:
+            raise ValueError(f"bad --trace-steps {part!r}: FIRST and COUNT must be >= 1")
+        if windows and first < sum(windows[-1]):
+            raise ValueError(f"bad --trace-steps {part!r}: it starts inside or before the "
+                             f"window before it")
+        windows.append((first, count))
+    return windows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,9 +241,10 @@ def _run(args, argv: list[str]) -> int:
             if name == "hf":
                 row = run_hf(llm, token_ids, args, bm)
             else:
-                window = trace and StepWindow(device, *trace, args.profile_kernels or 25)
+                windows = [StepWindow(device, *w, args.profile_kernels or 25)
+                           for w in trace or []]
                 row = run_ours(llm, spec_for(name, args, kv_blocks), token_ids, params, bm,
-                               window)
+                               windows)
             row = {"name": name, **row}
             result["rows"].append(row)
             msg = (f"  {row['tokens']} tokens in {row['seconds']:.2f} s = "

@@ -77,8 +77,8 @@ def rows_markdown(result: dict) -> str:
         if frames:
             lines += ["", f"{r['name']}: compilations per function (seconds): " + ", ".join(
                 f"{name} {count} ({seconds:.1f})" for name, (count, seconds) in frames) + "."]
-    for r in (r for r in result["rows"] if r.get("step_window")):
-        w, k = r["step_window"], r["step_window"]["kernels"]
+    for r, w in ((r, w) for r in result["rows"] for w in r.get("step_windows") or [] if w):
+        k = w["kernels"]
         top = _kernel_list(k)
         lines += ["", f"{r['name']}, steps {w['first']}-{w['first'] + w['steps'] - 1} under "
                       f"torch.profiler: {w['ms_per_step']:.2f} ms per step (wall), "

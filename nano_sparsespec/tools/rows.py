@@ -100,9 +100,10 @@ def warm_up_tokens(stride: int) -> int:
 
 
 def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: list[SamplingParams],
-             bm: ByteModel, window: StepWindow | None = None) -> dict:
-    """One row of ours; with `window`, torch.profiler watches some of its timed steps (`StepWindow`:
-    its synchronisations and the profiler's overhead fall inside the timed run)."""
+             bm: ByteModel, windows: list[StepWindow] = ()) -> dict:
+    """One row of ours; with `windows`, torch.profiler watches some of its timed steps
+    (`StepWindow`: their synchronisations and the profiler's overhead fall inside the timed
+    run)."""
     llm.spec = spec
     # Warm-up: the same requests with this row's settings, a few cycles long. torch.compile
     # specialises kernels on the first step of each kind (prefill chunks beside drafts and
@@ -125,7 +126,7 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             start, cpu_start = time.perf_counter(), time.process_time()
             clock = StepClock()
             outputs = llm.generate(None, params, prompt_token_ids=token_ids,
-                                   on_step=lambda event: observe_step(event, clock, window))
+                                   on_step=lambda event: observe_step(event, clock, windows))
             synchronize(llm.device)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             end = start + seconds
@@ -170,13 +171,13 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
             "peak_memory_bytes": mem.peak_bytes + llm.model.weight_bytes(),
             "token_ids": [o.token_ids for o in outputs],
-            **({"step_window": window.finish()} if window else {})}
+            **({"step_windows": [w.finish() for w in windows]} if windows else {})}
 
 
-def observe_step(event, clock: StepClock, window: StepWindow | None) -> None:
-    """A timed run's `on_step`: the clock sees every step, the profiler's window (if any) too."""
+def observe_step(event, clock: StepClock, windows: list[StepWindow]) -> None:
+    """A timed run's `on_step`: the clock sees every step, the profiler's windows (if any) too."""
     clock.on_step(event)
-    if window is not None:
+    for window in windows:
         window.on_step(event)
 
 
