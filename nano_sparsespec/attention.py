@@ -64,11 +64,21 @@ class SparseBatch:
     (`AttentionContext.draft_k` / `draft_v`): its critical positions' K/V, then those its drafts
     wrote since the last verification."""
     q_index: torch.Tensor        # [Bs] row of each draft token in the step's flat token list
-    read_row: torch.Tensor       # [Bs] its row in `valid` and the buffers (padding: R, unread)
+    read_row: torch.Tensor | None  # [Bs] its row in `valid` and the buffers (padding: R, unread);
+                                 #   None: the drafts' rows are copied out (`gathered`)
     write_row: torch.Tensor      # [Bs] the buffer row its own K/V go to (padding: the scratch row)
     write_column: torch.Tensor   # [Bs] ... and the column there
     valid: torch.Tensor          # [L, R + 1, n_kv, N] bool: the columns each row attends to
-                                 #   (rows no draft reads: column 0 alone, a finite softmax)
+                                 #   (rows no draft reads: column 0 alone, a finite softmax);
+                                 #   gathered: [L, Bs, n_kv, N], each draft's
+
+
+def gathered(drafts: int, rows_read: int) -> bool:
+    """Whether a draft step copies its drafts' rows of the draft buffers out before attending
+    (read, write, read: three row moves per draft) rather than attending over the first
+    `rows_read` rows in place (one read each, also of the rows no draft reads): when the drafts
+    are under a third of those rows, as when few requests are left."""
+    return 3 * drafts < rows_read
 
 
 @dataclass
@@ -264,13 +274,18 @@ def sparse_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, writ
     out: [T, n_heads, D] the layer's attention output (the drafts' rows are written);
     q: [T, n_heads, D]; k, v: [T, n_kv, D]; keys, values: the layer's draft buffers
     [rows + 1, n_kv, C, D]; q_index, read_row, write_row, write_column: [Bs] (`SparseBatch`);
-    valid: [R + 1, n_kv, N] the layer's.
+    valid: [R + 1, n_kv, N] the layer's; read_row None (`gathered`): valid [Bs, n_kv, N], and
+    each draft reads a copy of its row (write_row).
     One function, so that the fast path compiles the moves and the attention into a few
     kernels."""
     heads = torch.arange(keys.shape[1], device=q.device)                       # [n_kv]
     keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]        # [Bs, n_kv, D]
     values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
     rows_read, _, N = valid.shape
+    if read_row is None:                      # the drafts' rows copied out: [Bs, n_kv, N, D]
+        out[q_index] = sparse_attention(q[q_index], keys[write_row, :, :N],
+                                        values[write_row, :, :N], valid)
+        return
     queries = q.new_zeros(rows_read, *q.shape[1:])                             # [R + 1, n_heads, D]
     queries[read_row] = q[q_index]
     out[q_index] = sparse_attention(queries, keys[:rows_read, :, :N], values[:rows_read, :, :N],

@@ -237,10 +237,11 @@ class StepGraphs:
         context share one bucket. A speculating engine's checks all have k drafts and k + 1 rows (a
         last prefill chunk's, none: padded), so that one compiled verification serves every step.
 
-        A draft step reads every row of the draft buffers (up to the scratch row), selection_width
-        + lookups + window (rounded to 8) columns of each, which the runner rounds to a multiple of
-        8: each row of the sparse kernel's logits and probabilities then starts 16-byte aligned,
-        which keeps cuBLAS off its slow fallback kernels."""
+        A draft step reads every row of the draft buffers (up to the scratch row), or a copy of
+        its drafts' rows where they are under a third of them (`attention.gathered`),
+        selection_width + lookups + window (rounded to 8) columns of each, which the runner rounds
+        to a multiple of 8: each row of the sparse kernel's logits and probabilities then starts
+        16-byte aligned, which keeps cuBLAS off its slow fallback kernels."""
         s, k = shape, self.stride
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
         # one context length for the dense batch and the lookups

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, lookup, verifier
-from .attention import AttentionContext, DenseBatch, SparseBatch
+from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
 from .cuda_graphs import StepGraphs, round_up
 from .device import Packed, to_device
@@ -344,10 +344,11 @@ class ModelRunner:
             found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)
             seen = ((seen & (column >= n_sel[:, None])[:, None, None, :])     # found: [Bs, N]
                     | F.pad(keep, (0, N - keep.shape[-1])) | found[:, None, None, :])
-        read_row = rows.clamp(max=R)                          # padding drafts: row R
-        valid = torch.zeros(L, R + 1, n_kv, N, dtype=torch.bool, device=self.device)
-        valid[..., 0] = True                                  # rows no draft reads: column 0
-        valid[:, read_row] = seen.transpose(0, 1)
+        read_row, valid = None, seen.transpose(0, 1)  # gathered: [L, Bs, n_kv, N], each draft's
+        if not gathered(shape.sparse_batch, R + 1):           # else the rows read in place
+            read_row = rows.clamp(max=R)                      # padding drafts: row R
+            valid = (column == 0).expand(L, R + 1, n_kv, N).clone()  # rows no draft reads: 0
+            valid[:, read_row] = seen.transpose(0, 1)
         return SparseBatch(dev["sparse_first_row"], read_row, rows,
                            first_window[:, 0] + window - 1, valid)
 

@@ -163,8 +163,9 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     exactly its positions: its critical positions (for pillar-lookup `merge_lookup`'s, its lookups in the place of
     the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
     plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.) The window
-    expected is the scheduler's: the drafts the request has made since its last verification, this one included."""
-    checked, drafting, lookups, selections = [], [], [], {}
+    expected is the scheduler's: the drafts the request has made since its last verification, this one included.
+    A step of few drafts attends to copies of their rows (`attention.gathered`): its `valid` is then per draft."""
+    checked, drafting, lookups, selections, gathered = [], [], [], {}, set()
     sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
     set_selections, kept_beside_lookups = ModelRunner.set_selections, lookup.kept_beside_lookups
 
@@ -183,6 +184,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     def checked_batch(self, shape, dev, input_ids):
         batch = sparse_batch(self, shape, dev, input_ids)
         rows, n_sel = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel"))
+        gathered.add(batch.read_row is None)
         critical = merge_lookup(*lookups) if method == "pillar-lookup" else [selections[row] for row in rows]
         columns = torch.arange(batch.valid.shape[-1])
         window = [drafts for _, drafts in drafting]                             # positions num_verified .. own
@@ -191,7 +193,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
             own = n_sel[b] + self.lookups + window[b] - 1                        # the draft's own column
             recent = list(range(seq.num_verified, seq.num_verified + window[b] - 1))
             for layer, head in itertools.product(range(self.num_layers), range(self.n_kv)):
-                seen = batch.valid[layer, row, head].cpu()
+                seen = batch.valid[layer, row if batch.read_row is not None else b, head].cpu()
                 positions = torch.tensor(critical[b][layer, head, :n_sel[b]].tolist() + recent)
                 slots = self.cache.slots_of(seq.seq_id, positions)
                 held = self.draft_k[layer, row, head].float().cpu()[columns[seen & (columns != own)]]
@@ -208,3 +210,4 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1)
     assert [o.token_ids for o in outs] == plain_greedy
     assert checked and all(checked)
+    assert gathered == {False, True}      # steps that read the rows in place, steps of few drafts that copy them out

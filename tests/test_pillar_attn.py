@@ -209,6 +209,32 @@ def test_sparse_attention_full_set_is_dense_attention():
     assert torch.allclose(out, dense_out[:, 0], atol=TOL)
 
 
+def test_drafts_reading_copies_of_their_rows_equal_drafts_reading_them_in_place():
+    """`sparse_drafts` with read_row None (few drafts: each attends to a copy of its row) writes the same K/V into the
+    buffers and the same outputs as reading the rows in place; `gathered` picks the copy under a third of the rows."""
+    g = torch.Generator().manual_seed(3)
+    R, C, N, T = 7, 12, 10, 5                     # buffer rows (+ the scratch row), columns, columns read, tokens
+    q, k, v = (torch.randn(T, heads, D, generator=g) for heads in (H, N_KV, N_KV))
+    keys, values = (torch.randn(R + 1, N_KV, C, D, generator=g) for _ in range(2))
+    q_index, rows = torch.tensor([1, 3]), torch.tensor([5, 2])          # two drafts, at rows 5 and 2
+    write_column = torch.tensor([4, 7])
+    seen = torch.rand(2, N_KV, N, generator=g) < 0.6
+    seen[:, :, 0] = True
+    outputs = []
+    for read_row in (rows, None):
+        valid = seen
+        if read_row is not None:
+            valid = (torch.arange(N) == 0).expand(R + 1, N_KV, N).clone()
+            valid[read_row] = seen
+        out, kb, vb = torch.zeros_like(q), keys.clone(), values.clone()
+        attention.sparse_drafts(out, q, k, v, kb, vb, q_index, read_row, rows, write_column, valid)
+        outputs.append((out, kb, vb))
+    for in_place, copied in zip(*outputs):
+        assert torch.equal(in_place, copied)
+    assert outputs[0][0][q_index].abs().sum() > 0 and outputs[0][0][[0, 2, 4]].abs().sum() == 0
+    assert attention.gathered(2, 7) and not attention.gathered(3, 9) and not attention.gathered(900, 1025)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # attend(): the dispatcher the model calls
 
