@@ -109,6 +109,26 @@ def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, 
     assert outs == plain
 
 
+def test_padded_draft_steps_of_few_drafts_read_copies_of_their_rows(tiny_qwen3, prompts, monkeypatch):
+    """With many more slots than drafts (8 requests, 32 slots), a padded draft step reads copies of its drafts' rows
+    of the draft buffers (`attention.gathered`), not every row: the drafts, so every verification's accepted count,
+    are those of the same run reading every row in place, and the output equals padded plain decoding's."""
+    from nano_sparsespec import runner
+    seen, options = set(), dict(cuda_graphs=True, method="pillar-lookup", stride=4, min_budget=8, budget_ratio=0.1,
+                                block_size=16, max_batch=32)
+
+    def noted(drafts, rows_read):
+        seen.add(attention.gathered(drafts, rows_read))
+        return attention.gathered(drafts, rows_read)
+    _, plain = generate(tiny_qwen3[0], prompts, cuda_graphs=True, method="plain", max_batch=32)
+    monkeypatch.setattr(runner, "gathered", noted)
+    copied, outs = generate(tiny_qwen3[0], prompts, **options)
+    monkeypatch.setattr(runner, "gathered", lambda drafts, rows_read: False)
+    in_place, outs_in_place = generate(tiny_qwen3[0], prompts, **options)
+    assert seen == {True} and outs == outs_in_place == plain
+    assert copied.last_stats.accepted_counts == in_place.last_stats.accepted_counts
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the paged kernel is compiled for the GPU alone")
 @pytest.mark.parametrize("method,async_verify", [("pillar", True), ("pillar-lookup", False)])
 def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypatch, method, async_verify):
