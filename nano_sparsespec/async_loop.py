@@ -8,8 +8,9 @@ Owns
     verification (`SpecConfig.async_verify`): step t is launched *before* the host processes
     step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
     synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits
-    out one step (the stall); plain decoding instead runs ahead on the token in flight
-    (`SpecConfig.runs_ahead`). On the CPU the same schedule runs with no overlap.
+    out one step (the stall); plain decoding, and the plain tail of a drafting run (scheduler.py),
+    instead run ahead on the token in flight (`SpecConfig.runs_ahead`). On the CPU the same
+    schedule runs with no overlap.
   * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
     each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
   * `RunStats`: what one run did, step by step.
@@ -246,7 +247,7 @@ class Engine:
                 self.scheduler.assign_slot(seq)
                 new_tokens = [got["next_token"][i]]
             self._commit(seq, new_tokens, accepted)
-            if seq.status != Status.FINISHED:
+            if seq.status != Status.FINISHED and not seq.decodes_plainly:
                 refresh.append((i, seq))
         self._refresh_drafting_state(result, refresh)
         self.stats.process_seconds += time.perf_counter() - start

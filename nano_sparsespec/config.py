@@ -175,6 +175,10 @@ class SpecConfig:
     ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
     batch_policy   naive (all requests verify on the same step) or balanced (staggered)
     async_verify   delayed verification: a request that verifies at step t sits out step t+1
+    plain_tail     once the decoding requests fall below this share of the most that decoded
+                   together, with none waiting or offloaded, the requests left decode plainly
+                   (0: never): a step over few requests costs about its floor, which drafts
+                   cannot undercut (Scheduler)
     kv_blocks      device KV pool size in blocks (None: sized for the whole batch; small: offload)
     block_size     tokens per KV block
     prefill_chunk  prompt tokens per step over all prefilling requests (chunked prefill)
@@ -191,6 +195,7 @@ class SpecConfig:
     ngram_min: int = 2
     batch_policy: str = "balanced"
     async_verify: bool = False
+    plain_tail: float = 0.125
     kv_blocks: int | None = None
     block_size: int = 64
     prefill_chunk: int = 2048
@@ -232,6 +237,8 @@ class SpecConfig:
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"unknown batch_policy {self.batch_policy!r}: "
                              f"expected one of {BATCH_POLICIES}")
+        if not (isinstance(self.plain_tail, (int, float)) and 0.0 <= self.plain_tail < 1.0):
+            raise ValueError(f"plain_tail must be in [0, 1), got {self.plain_tail!r}")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"kv_blocks must be >= 1, got {self.kv_blocks!r}")
         if self.block_size < 1 or self.prefill_chunk < 1 or self.max_batch < 1:

@@ -394,7 +394,7 @@ class ModelRunner:
                 draft_probs = self._draft_probs(logits.shape[-1])[r.check_row, :m_max]
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
                                      r.check_first_position)
-        if self.spec.runs_ahead:   # the request's next step, already launched, reads it here
-            self.draft_tokens[r.check_row, 0] = out.next_token
+        # a request that runs ahead (decoding plainly) reads it here in its next step, launched
+        self.draft_tokens[r.check_row, 0] = out.next_token
         return torch.cat([out.num_accepted[:, None], out.next_token[:, None],
                           out.is_bonus.long()[:, None], draft_tokens], dim=1)

@@ -19,6 +19,12 @@ keep their slot and sit out) each step verifies floor(B / P) or ceil(B / P) of t
 n-gram verify every step; with delayed verification plain decoding runs ahead instead of stalling
 (`SpecConfig.runs_ahead`): two results may be in flight.
 
+Plain tail: once the decoding requests fall below `SpecConfig.plain_tail` of the most that decoded
+together, with none waiting or offloaded, the requests left stop drafting for good: each verifies
+its pending drafts, then decodes plainly, one token every step, running ahead on the token in
+flight like plain decoding. A step over so few requests costs about its floor, where a cycle of
+k + 1 steps (k + 2 delayed) that yields at most accepted + 1 tokens cannot beat one token a step.
+
 Offload: when a step's KV does not fit, the latest-admitted request with no result in flight moves
 wholly to the host pool, keeping its phase; offloaded requests return first-out first-in once they
 fit with one step of headroom, and no waiting request is admitted while one is out.
@@ -58,6 +64,7 @@ class Sequence:
     num_prefilled: int = 0              # prompt tokens whose KV is cached
     verify_slot: int = 0
     num_drafts: int = 0                 # model drafts made since the last verification
+    decodes_plainly: bool = False       # in the plain tail: it drafts no more (Scheduler)
     ngram_drafts: list[int] = field(default_factory=list)
     row: int = -1                       # row in the engine's per-request device buffers
     admitted_at: int = 0
@@ -129,6 +136,7 @@ class Scheduler:
         self.period = (spec.drafts_per_cycle + 1
                        + (1 if spec.async_verify and not spec.runs_ahead else 0))
         self._admissions = itertools.count()
+        self.most_decoding = 0                 # the most requests that decoded in one step
         self.step = -1                         # the step last scheduled
         self.offload_events = self.restore_events = 0
 
@@ -202,9 +210,11 @@ class Scheduler:
         """What a prefilled request does at global step `step`: verify, draft, wait, stall or
         ahead."""
         if seq.awaiting_result:
-            # running ahead is worth it only if the token in flight is not the request's last
-            return "ahead" if self.spec.runs_ahead and self.draft_limit(seq) > 0 else "stall"
-        if (step - seq.verify_slot) % self.period == 0:
+            # ahead of one token in flight (not of a verification's drafts), and only if that
+            # token is not the request's last
+            runs_ahead = self.spec.runs_ahead or (seq.decodes_plainly and seq.num_drafts == 0)
+            return "ahead" if runs_ahead and self.draft_limit(seq) > 0 else "stall"
+        if seq.decodes_plainly or (step - seq.verify_slot) % self.period == 0:
             return "verify"
         drafts_worth_making = min(self.spec.drafts_per_cycle, self.draft_limit(seq))
         return "draft" if seq.num_drafts < drafts_worth_making else "wait"
@@ -221,6 +231,7 @@ class Scheduler:
         self.step = step
         self._restore_offloaded()
         self._admit()
+        self._enter_plain_tail()
         works = self._plan(step)
         while not self._fits(works):
             victim = self._pick_victim(works)
@@ -245,6 +256,18 @@ class Scheduler:
             if w.kind == "verify" or w.final_prefill:
                 w.seq.results_in_flight += 1
         return works
+
+    def _enter_plain_tail(self) -> None:
+        """Mark the decoding requests plain once they are under `plain_tail` of the most that
+        decoded together and none wait or are offloaded (drafting methods only)."""
+        if self.spec.drafts_per_cycle == 0:
+            return
+        decoding = [s for s in self.running if s.status == Status.RUNNING]
+        self.most_decoding = max(self.most_decoding, len(decoding))
+        if (not self.waiting and not self.offloaded
+                and len(decoding) < self.spec.plain_tail * self.most_decoding):
+            for seq in decoding:
+                seq.decodes_plainly = True
 
     def _plan(self, step: int) -> list[Work]:
         works, prefill_budget = [], self.spec.prefill_chunk

@@ -105,7 +105,8 @@ class StepLists:
             tokens=plan.num_tokens + has_padding,
             dense_batch=len(dense), dense_queries=q_max,
             dense_blocks=-(-context // self.cache.block_size),
-            scores=pillar and bool(plan.checks),      # (checks: verifications, last chunks)
+            # (checks: verifications, last chunks) of requests that draft again
+            scores=pillar and any(not w.seq.decodes_plainly for w, _ in plan.checks),
             sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
             selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
             window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),

@@ -179,10 +179,14 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     def both(self, plan, shape, static):
         if not static:
             return run(self, plan, shape, static)
-        # the eager step writes the same K/V and drafts that the padded step then writes again
+        # the eager step writes the same K/V and drafts that the padded step then writes again; a verification also
+        # leaves its next token where a request running ahead reads it (its drafts' first column), so the padded step
+        # starts from the draft tokens the eager one found
+        drafts_before = self.draft_tokens.clone()
         eager, eager_scores = run(self, plan, self.step_lists.shape(plan), False)
         eager, eager_drafts = eager.clone(), self.draft_tokens.clone()
         eager_scores = None if eager_scores is None else eager_scores.clone()
+        self.draft_tokens.copy_(drafts_before)
         packed, scores = run(self, plan, shape, True)
         assert torch.equal(packed[:, :eager.shape[1]], eager)   # a bucket's checks carry k drafts, read to their own
         assert torch.equal(self.draft_tokens[:-1], eager_drafts[:-1])      # all but the scratch row

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-ratio", type=float, default=0.05)
     p.add_argument("--min-budget", type=int, default=128)
     p.add_argument("--prefill-chunk", type=int, default=SpecConfig.prefill_chunk)
+    p.add_argument("--plain-tail", type=float, default=SpecConfig.plain_tail,
+                   help="drafting rows: the requests left decode plainly once fewer than this "
+                        "share of the most that decoded together remain (0: never)")
     p.add_argument("--pillar-method", default="pillar",
                    choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
                    help="drafter of the pillar-naive / +balanced / +offload / +async rows and of "
@@ -173,7 +176,7 @@ def _run(args, argv: list[str]) -> int:
                   for i in range(args.num_requests)]
         # Validate early.
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
-                   block_size=args.block_size)
+                   block_size=args.block_size, plain_tail=args.plain_tail)
         if args.tensor_parallel > 1 and args.profile_steps:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} with --profile-steps: "
                              f"the step profile runs on one rank")
