@@ -1,7 +1,8 @@
 """tools/acceptance.py: the repetitiveness measures, and `--no-repeat-ngram` (the same N-gram ban on the drafter's and the
 verifier's logits, so that speculation stays lossless with respect to the banned target)."""
 from conftest import generate
-from nano_sparsespec.tools.acceptance import no_repeat_ngram_runner, repeated_ngram_share, repeated_run_share
+from nano_sparsespec.tools.acceptance import (build_configs, build_parser, no_repeat_ngram_runner, parse_method,
+                                              repeated_ngram_share, repeated_run_share)
 
 
 def test_repetitiveness_measures():
@@ -9,6 +10,13 @@ def test_repetitiveness_measures():
     assert repeated_ngram_share([1, 2, 3, 1, 2, 3, 1], 3) == (2, 5)
     # 2-token windows: [1, 2] recurs at 2 and 4, [2, 1] at 3: tokens 2..5 sit in a repeated window
     assert repeated_run_share([1, 2, 1, 2, 1, 2], run=2) == (4, 6)
+
+
+def test_the_sweep_measures_whole_texts_with_no_plain_tail():
+    """Acceptance over whole texts: even with many prompts, no request stops drafting near the end of the sweep."""
+    args = build_parser().parse_args(["--methods", "pillar,pillar-lookup,streaming", "--temperatures", "0,0.6"])
+    configs = build_configs(args, [parse_method(m) for m in args.methods.split(",")], batch=512)
+    assert len(configs) == 6 and all(spec.plain_tail == 0 and spec.max_batch == 512 for _, spec, _ in configs)
 
 
 def test_no_repeat_ngram_bans_repeats_in_drafts_and_verification(tiny_qwen3, prompts):
