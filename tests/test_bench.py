@@ -11,7 +11,7 @@ from nano_sparsespec.async_loop import kv_positions_read
 from nano_sparsespec.cuda_graphs import compile_seconds
 from nano_sparsespec.device import common_prefix
 from nano_sparsespec.tools import bench, measure, profile, report, rows as bench_rows
-from nano_sparsespec.config import SamplingParams
+from nano_sparsespec.config import SamplingParams, SpecConfig
 from nano_sparsespec.scheduler import Sequence, Work
 from nano_sparsespec.tools.measure import StepClock, tenths
 
@@ -262,6 +262,15 @@ def test_bad_arguments(tiny_qwen3, capsys):
     assert "bad profile shape '8by1024'" in capsys.readouterr().err
     assert bench.main(["--model", str(tiny_qwen3[0]), "--profile-steps", "--tensor-parallel", "2"]) == 2
     assert "--tensor-parallel 2 with --profile-steps: the step profile runs on one rank" in capsys.readouterr().err
+    assert bench.main(["--model", str(tiny_qwen3[0]), "--plain-tail", "1.5"]) == 2
+    assert "plain_tail must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_the_drafting_rows_take_the_plain_tail():
+    args = bench.build_parser().parse_args(["--plain-tail", "0.5"])
+    assert {bench_rows.spec_for(name, args, 10).plain_tail for name in ("pillar-naive", "+async")} == {0.5}
+    default = bench.build_parser().parse_args([])
+    assert bench_rows.spec_for("+async", default, 10).plain_tail == SpecConfig.plain_tail > 0
 
 
 def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
