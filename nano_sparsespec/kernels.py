@@ -25,7 +25,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental import _config as shapes_config
 
 from . import attention, model, verifier
 from .attention import AttentionContext, pack_groups, unpack_groups
@@ -102,7 +101,7 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    kernels["sparse"] = _sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
+    kernels["sparse"] = verifier.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch
@@ -115,16 +114,6 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
                       score_pass=_static_but(score_pass, {0: (0, 2), 1: (0, 2), 2: (0,),
                                                           3: (0,), 4: (0,)}))
         kernels.update(paged=paged_dense, prepare=paged_prepare)
-
-
-def _sizes_apart(compiled):
-    """A compiled function traced without duck sizing: dynamo gives sizes that are equal when it
-    traces one symbol (a step of drafts alone has as many token rows as the draft buffers have
-    rows), and the next step, where they differ, would compile it again."""
-    def run(*args):
-        with shapes_config.patch(use_duck_shape=False):
-            return compiled(*args)
-    return run
 
 
 def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch.fx.experimental import _config as shapes_config
 
 from .config import SamplingParams
 from .device import to_device
@@ -311,9 +312,20 @@ def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_posi
 _fused = {"drafts": _sample_drafts, "verify": _verify_logits}
 
 
+def sizes_apart(compiled):
+    """A compiled function traced without duck sizing: dynamo gives sizes that are equal when it
+    traces one symbol (a step of drafts alone has as many token rows as the draft buffers have
+    rows; the draft logits' storage offset, the checks' rows before them, may be one row of the
+    vocabulary), and the next step, where they differ, would compile it again."""
+    def run(*args):
+        with shapes_config.patch(use_duck_shape=False):
+            return compiled(*args)
+    return run
+
+
 def compile_sampling() -> None:
     """Swap in torch.compile'd (fused) draft sampling and verification."""
-    _fused["drafts"] = torch.compile(_sample_drafts, dynamic=True)
+    _fused["drafts"] = sizes_apart(torch.compile(_sample_drafts, dynamic=True))
     _fused["verify"] = torch.compile(_verify_logits, dynamic=True)
 
 

@@ -157,8 +157,8 @@ def test_drafts_read_aligned_widths(tiny_qwen3, prompts, monkeypatch, cuda_graph
     widths = []
     sparse_batch = ModelRunner._sparse_batch
 
-    def noted(self, shape, dev, input_ids):
-        batch = sparse_batch(self, shape, dev, input_ids)
+    def noted(self, shape, dev, *inputs):
+        batch = sparse_batch(self, shape, dev, *inputs)
         widths.append((shape.selection_width + self.lookups + shape.window, batch.valid.shape[-1]))
         return batch
 
@@ -169,27 +169,30 @@ def test_drafts_read_aligned_widths(tiny_qwen3, prompts, monkeypatch, cuda_graph
     assert all(width % 8 == 0 and wanted <= width < wanted + 8 for wanted, width in widths), widths
 
 
-def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypatch):
+@pytest.mark.parametrize("async_verify", [False, True])
+def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypatch, async_verify):
     """Every padded step (its tensors built from padded lists, forward, draft sampling, verification) against the
-    eager step of the same plan at its own shape: the same verification results and drafts, PillarAttn scores
-    within rounding."""
-    worst = {"scores": 0.0, "steps": 0, "drafts": 0}
+    eager step of the same plan at its own shape: the same verification results, drafts and pending positions,
+    PillarAttn scores within rounding; with delayed verification, drafts ahead of their verifications' results too."""
+    worst = {"scores": 0.0, "steps": 0, "drafts": 0, "ahead": 0}
     run = ModelRunner._run
 
     def both(self, plan, shape, static):
         if not static:
             return run(self, plan, shape, static)
         # the eager step writes the same K/V and drafts that the padded step then writes again; a verification also
-        # leaves its next token where a request running ahead reads it (its drafts' first column), so the padded step
-        # starts from the draft tokens the eager one found
+        # leaves its next token where a request running or drafting ahead reads it (after its accepted drafts), so
+        # the padded step starts from the draft tokens the eager one found
         drafts_before = self.draft_tokens.clone()
         eager, eager_scores = run(self, plan, self.step_lists.shape(plan), False)
-        eager, eager_drafts = eager.clone(), self.draft_tokens.clone()
+        eager, eager_drafts, eager_pending = eager.clone(), self.draft_tokens.clone(), self.pending_position.clone()
         eager_scores = None if eager_scores is None else eager_scores.clone()
         self.draft_tokens.copy_(drafts_before)
         packed, scores = run(self, plan, shape, True)
         assert torch.equal(packed[:, :eager.shape[1]], eager)   # a bucket's checks carry k drafts, read to their own
         assert torch.equal(self.draft_tokens[:-1], eager_drafts[:-1])      # all but the scratch row
+        assert torch.equal(self.pending_position[:-1], eager_pending[:-1])
+        worst["ahead"] += sum(w.ahead for w in plan.works)
         assert (scores is None) == (eager_scores is None)
         if scores is not None:
             L = eager_scores.shape[-1]
@@ -202,8 +205,8 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     monkeypatch.setattr(ModelRunner, "_run", both)
     params = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
     generate(tiny_qwen3[0], prompts, params, cuda_graphs=True, method="pillar", stride=4, min_budget=8,
-             budget_ratio=0.1, batch_policy="balanced", max_batch=5)
-    assert worst["steps"] > 20 and worst["drafts"] > 20
+             budget_ratio=0.1, batch_policy="balanced", max_batch=5, async_verify=async_verify)
+    assert worst["steps"] > 20 and worst["drafts"] > 20 and (worst["ahead"] > 5) == async_verify
     assert worst["scores"] < 1e-6, worst
 
 
@@ -249,7 +252,8 @@ def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(ti
     two, and the checks' logits start the LM head's product. torch.compile specialises sizes 0 and 1, a storage
     offset of 0 and a missing tensor: each would compile it again (seconds on a GPU). The draft attention is traced
     without duck sizing (a step of drafts alone has as many token rows as the draft buffers have rows). Draft
-    sampling compiles once: its logits never start the product (a step without checks leads with a spare row)."""
+    sampling compiles once: its logits never start the product (a step without checks leads with a spare row), and it
+    is traced without duck sizing (their storage offset may be one row of the vocabulary)."""
     from nano_sparsespec.tools.measure import CompiledFrames
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     verifier.compile_sampling()
