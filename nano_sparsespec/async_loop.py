@@ -9,8 +9,8 @@ Owns
     step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
     synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits
     out one step (the stall); plain decoding, and the plain tail of a drafting run (scheduler.py),
-    instead run ahead on the token in flight (`SpecConfig.runs_ahead`). On the CPU the same
-    schedule runs with no overlap.
+    instead run ahead on the token in flight (`SpecConfig.runs_ahead`), and sparse drafters draft
+    ahead of it (`SpecConfig.drafts_ahead`). On the CPU the same schedule runs with no overlap.
   * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
     each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
   * `RunStats`: what one run did, step by step.
@@ -234,7 +234,8 @@ class Engine:
             if w.kind == "verify":
                 if offered > accepted:
                     self.cache.rollback(seq.seq_id, offered - accepted)
-                seq.num_drafts = 0
+                # a draft made ahead of this result is the next cycle's first
+                seq.num_drafts, seq.drafted_ahead = int(seq.drafted_ahead), False
                 if offered:
                     for stats in (seq, self.stats):
                         stats.accepted_counts.append(accepted)

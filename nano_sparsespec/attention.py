@@ -92,6 +92,9 @@ class AttentionContext:
     dense: DenseBatch | None = None
     sparse: SparseBatch | None = None
     context_capacity: int = 0    # positions a request's block table can hold
+    # (token [Tw], draft-buffer row [Tw], column [Tw]): K/V the verifications also write to their
+    # requests' draft-buffer windows, for the drafts made ahead of their results (runner.py)
+    window_writes: tuple | None = None
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -106,6 +109,11 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                              is_causal=True)
         return out.transpose(0, 1)
     _kernels["store"](ctx.k_cache[layer], ctx.v_cache[layer], ctx.slot_mapping, k, v)
+    if ctx.window_writes is not None and ctx.draft_k is not None:
+        tokens, rows, columns = ctx.window_writes
+        heads = torch.arange(k.shape[1], device=k.device)
+        ctx.draft_k[layer][rows[:, None], heads, columns[:, None]] = k[tokens]   # [Tw, n_kv, D]
+        ctx.draft_v[layer][rows[:, None], heads, columns[:, None]] = v[tokens]
     out = torch.zeros_like(q)   # zeros: a padded step (cuda_graphs.py) has rows no batch writes
     if ctx.dense is not None:
         if ctx.dense.block_mask is None:

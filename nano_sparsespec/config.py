@@ -175,6 +175,9 @@ class SpecConfig:
     ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
     batch_policy   naive (all requests verify on the same step) or balanced (staggered)
     async_verify   delayed verification: a request that verifies at step t sits out step t+1
+    draft_ahead    with async_verify, pillar, pillar-lookup and streaming: instead of sitting out
+                   step t+1, the request drafts there, at the position and on the token that its
+                   verification leaves on the device, with its previous selection (no stall)
     plain_tail     once the decoding requests fall below this share of the most that decoded
                    together, with none waiting or offloaded, the requests left decode plainly
                    (0: never): a step over few requests costs about its floor, which drafts
@@ -195,6 +198,7 @@ class SpecConfig:
     ngram_min: int = 2
     batch_policy: str = "balanced"
     async_verify: bool = False
+    draft_ahead: bool = True
     plain_tail: float = 0.125
     kv_blocks: int | None = None
     block_size: int = 64
@@ -254,6 +258,13 @@ class SpecConfig:
     def runs_ahead(self) -> bool:
         """Async plain decoding: step t+1 decodes on step t's sampled token, still on the device."""
         return self.async_verify and self.method == "plain"
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Async sparse drafting: step t+1 drafts on step t's verification result, still on the
+        device (its position and input token too: `draft_ahead`)."""
+        return (self.async_verify and self.draft_ahead
+                and self.method in ("pillar", "pillar-lookup", "streaming"))
 
     @property
     def num_lookups(self) -> int:

@@ -66,9 +66,13 @@ class ModelRunner:
         long = dict(dtype=torch.long, device=self.device)
         # one row more than requests: the scratch row, where a step's padding reads and writes
         self.scratch_row = rows
-        self.draft_tokens = torch.zeros(rows + 1, k, **long)                  # [rows + 1, k]
-        self.graphs = (StepGraphs(self._compute, cache.block_size, [self.draft_tokens], rows,
-                                  k, spec.budget, speculates=spec.method != "plain")
+        # each row's drafts, then its latest verification's next token after those it accepted
+        self.draft_tokens = torch.zeros(rows + 1, k + 1, **long)              # [rows + 1, k + 1]
+        # each row's pending position as its latest verification left it (drafts ahead read it)
+        self.pending_position = torch.zeros(rows + 1, **long)                 # [rows + 1]
+        self.graphs = (StepGraphs(self._compute, cache.block_size,
+                                  [self.draft_tokens, self.pending_position], rows, k,
+                                  spec.budget, speculates=spec.method != "plain")
                        if cuda_graphs else None)
         self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
@@ -112,7 +116,8 @@ class ModelRunner:
 
     def _widen_draft_buffers(self, selection_width: int) -> None:
         """Make the draft buffers wide enough for `selection_width` positions (as `_widen`)."""
-        columns = round_up(selection_width + self.lookups + round_up(self.spec.stride, 8), 8)
+        # (a draft ahead's window: up to k + 2 positions)
+        columns = round_up(selection_width + self.lookups + round_up(self.spec.stride + 2, 8), 8)
         old = (self.draft_k, self.draft_v)
         had = 0 if old[0] is None else old[0].shape[-2]
         if columns <= had:
@@ -131,7 +136,7 @@ class ModelRunner:
                        widths: list[int]) -> None:
         """Store each request's critical positions, positions[b, :, :, :widths[b]] of
         [B, L, n_kv, n] (`pillar_attn.top_positions`); copy their K/V to its drafts'."""
-        n = positions.shape[-1]
+        L, n_kv, n = positions.shape[1:]
         # room for the longest context's budget: growing budgets do not widen again
         cap = self.model.config.max_position_embeddings
         longest = max(min(cap, s.final_length) for s in seqs)
@@ -151,6 +156,13 @@ class ModelRunner:
         block_table = self._dev([t + [t[0]] * (width - len(t)) for t in tables])   # [B, blocks]
         self._fill_draft_buffers(block_table, positions, rows,
                                  torch.arange(n, device=self.device).expand(len(seqs), -1))
+        ahead = [b for b, s in enumerate(seqs) if s.num_drafts]   # drafted ahead of this
+        if ahead:   # its draft's K/V (the pending position's) go to the new window's first column
+            index = self._dev(ahead)          # (a list as an index would wait for the device)
+            pending = self._dev([[seqs[b].num_verified] for b in ahead])[:, None, None, :]
+            self._fill_draft_buffers(block_table[index], pending.expand(-1, L, n_kv, 1),
+                                     rows[index], self._dev([[widths[b] + self.lookups]
+                                                             for b in ahead]))
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
                             rows: torch.Tensor, columns: torch.Tensor) -> None:
@@ -263,10 +275,13 @@ class ModelRunner:
                  lists: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The device step from its uploaded lists (recorded whole as one CUDA graph)
         -> packed results [Bv, 3 + M], and the dense batch's scores [L, Bd, n_kv, Lmax] or None."""
-        feed = lists["feed_from"]                                                   # [T]
+        # a draft ahead of its verification's result moves on by the accepted count: its
+        # position is the one that verification left pending, its input that one's token
+        positions, bs = lists["positions"], self.cache.block_size                  # [T]
+        shift = lists["ahead"] * (self.pending_position[lists["token_row"]] - positions)
+        positions, feed = positions + shift, lists["feed_from"] + shift            # [T]
         input_ids = torch.where(feed >= 0, self.draft_tokens.view(-1)[feed.clamp(min=0)],
                                 lists["input_ids"])
-        positions, bs = lists["positions"], self.cache.block_size                  # [T]
         # where the step's K/V go: each token's slot, from its row's block table
         slots = self.block_tables[lists["token_row"], positions // bs] * bs + positions % bs
         ctx = AttentionContext(self.cache.k, self.cache.v, slots, self.cache.block_size,
@@ -275,13 +290,20 @@ class ModelRunner:
         if shape.dense_batch:
             ctx.dense = self._dense_batch(shape, lists)
         if shape.sparse_batch:
-            ctx.sparse = self._sparse_batch(shape, lists, input_ids)
+            ctx.sparse = self._sparse_batch(shape, lists, input_ids, shift)
         readout = Readout(**{name: lists.get(name) for name in READOUT_LISTS},
                           draft_flags=dict(shape.draft_flags), check_flags=dict(shape.check_flags))
+        if shape.drafts:
+            readout.draft_position = readout.draft_position + shift[readout.draft_logit_row]
         if shape.checks:   # a check's m + 1 rows end at its last; padded with the last one
-            back = (lists["check_num_drafts"][:, None]
-                    - torch.arange(shape.check_drafts + 1, device=self.device)).clamp(min=0)
+            j = torch.arange(shape.check_drafts + 1, device=self.device)                # [M+1]
+            back = (lists["check_num_drafts"][:, None] - j).clamp(min=0)
             readout.check_logit_rows = lists["check_last_row"][:, None] - back     # [Bv, M+1]
+            if "check_n_sel" in lists:   # a check's row j: column j of its request's window
+                columns = (lists["check_n_sel"] + self.lookups)[:, None] + j         # [Bv, M+1]
+                rows = lists["check_row"][:, None].expand_as(columns)
+                ctx.window_writes = (readout.check_logit_rows.flatten(), rows.flatten(),
+                                     columns.flatten())
         hidden = self.model(input_ids, positions, ctx)                              # [T, hidden]
         draft_logits, check_logits = self._logits(hidden, readout)
         if readout.draft_row is not None:
@@ -314,10 +336,14 @@ class ModelRunner:
         return batch
 
     def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor],
-                      input_ids: torch.Tensor) -> SparseBatch:
+                      input_ids: torch.Tensor, shift: torch.Tensor) -> SparseBatch:
         """A draft attends to its row of the draft buffers: [n_sel critical positions | lookups
-        | window (positions written since the last verification, its own included)]."""
-        rows, n_sel, window = dev["sparse_row"], dev["sparse_n_sel"], dev["sparse_window"]  # [Bs]
+        | window (positions written since the last verification, its own included)]. A draft
+        ahead (`shift` [T]: its accepted count) sees there the verification's K/V of the pending
+        position and the accepted drafts' (`AttentionContext.window_writes`), then its own."""
+        rows, n_sel = dev["sparse_row"], dev["sparse_n_sel"]                        # [Bs]
+        shift = shift[dev["sparse_first_row"]]                                      # [Bs]
+        window = dev["sparse_window"] + shift
         L, n_kv, M, R = self.num_layers, self.n_kv, self.lookups, shape.sparse_rows
         N = round_up(shape.selection_width + M + shape.window, 8)   # 8-aligned (bucket)
         column = torch.arange(N, device=self.device)                               # [N]
@@ -328,8 +354,8 @@ class ModelRunner:
         if self.spec.method == "pillar-lookup":
             # positions found from the input token replace the lowest-ranked critical ones
             committed = self.context_tokens[rows, dev["prev_committed"]]
-            prev = torch.where(dev["prev_in_context"] != 0, committed,
-                               self.draft_tokens[rows, dev["prev_drafted"]])
+            drafted = self.draft_tokens[rows, dev["prev_drafted"] + (shift - 1).clamp(min=0)]
+            prev = torch.where((dev["prev_in_context"] != 0) & (shift == 0), committed, drafted)
             found_at, found_valid = lookup.lookup_positions(                        # [Bs, M]
                 self.context_tokens[rows, :shape.lookup_context],
                 input_ids[dev["sparse_first_row"]], dev["sparse_verified"], self.spec.num_lookups,
@@ -394,7 +420,8 @@ class ModelRunner:
                 draft_probs = self._draft_probs(logits.shape[-1])[r.check_row, :m_max]
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
                                      r.check_first_position)
-        # a request that runs ahead (decoding plainly) reads it here in its next step, launched
-        self.draft_tokens[r.check_row, 0] = out.next_token
+        # where a request that runs or drafts ahead reads it in its next step, launched already
+        self.draft_tokens[r.check_row, out.num_accepted] = out.next_token
+        self.pending_position[r.check_row] = r.check_first_position + out.num_accepted
         return torch.cat([out.num_accepted[:, None], out.next_token[:, None],
                           out.is_bonus.long()[:, None], draft_tokens], dim=1)

@@ -8,7 +8,9 @@ Phase clock: a decoding request owns a verify slot s in [0, P), P = drafts_per_c
 the stall step of delayed verification), and verifies only on the steps t with t % P == s. After
 a verification it stalls one step when delayed (its result is in flight), then drafts until it
 holds k drafts (fewer near max_new_tokens or the context end: `draft_limit`) and waits, with no
-work, on any step left before its slot. `naive` gives every request slot 0 (lock-step).
+work, on any step left before its slot. With `SpecConfig.drafts_ahead` there is no stall: on the
+step after its verification it drafts ahead of the result (`Work.ahead`), which the device knows.
+`naive` gives every request slot 0 (lock-step).
 `balanced` gives a request, when its prefill's result is processed on step t, the least-loaded
 slot; its first cycle may have fewer than k drafts. With delayed verification it can act from
 step t + 1 on, so slot t % P would take k + 1 drafts: a request given that slot waits one step,
@@ -64,6 +66,7 @@ class Sequence:
     num_prefilled: int = 0              # prompt tokens whose KV is cached
     verify_slot: int = 0
     num_drafts: int = 0                 # model drafts made since the last verification
+    drafted_ahead: bool = False         # drafted while its verification's result was in flight
     decodes_plainly: bool = False       # in the plain tail: it drafts no more (Scheduler)
     ngram_drafts: list[int] = field(default_factory=list)
     row: int = -1                       # row in the engine's per-request device buffers
@@ -117,6 +120,15 @@ class Work:
     kind: str               # "prefill" | "draft" | "verify"
     start: int              # position of the first input token
     num_tokens: int         # input tokens: prefill chunk, 1 for a draft, drafts + 1 for a verify
+    # a draft made while its request's verification is in flight: it sits after the accepted
+    # drafts, which only the device knows; `start` is its position if none is accepted
+    ahead: bool = False
+
+    @property
+    def end(self) -> int:
+        """One past the last position its K/V may take (a draft ahead: if all its request's
+        checked drafts are accepted; asked while they are in flight)."""
+        return self.start + self.num_tokens + (self.seq.num_drafts if self.ahead else 0)
 
     @property
     def final_prefill(self) -> bool:
@@ -133,8 +145,8 @@ class Scheduler:
         self.running: list[Sequence] = []      # prefilling and decoding, in admission order
         self.offloaded: list[Sequence] = []    # in offload order
         self.free_rows = list(range(spec.max_batch))
-        self.period = (spec.drafts_per_cycle + 1
-                       + (1 if spec.async_verify and not spec.runs_ahead else 0))
+        stalls = spec.async_verify and not (spec.runs_ahead or spec.drafts_ahead)
+        self.period = spec.drafts_per_cycle + 1 + stalls
         self._admissions = itertools.count()
         self.most_decoding = 0                 # the most requests that decoded in one step
         self.step = -1                         # the step last scheduled
@@ -207,22 +219,29 @@ class Scheduler:
         return [s for s in self.running + self.offloaded if s.status != Status.PREFILL]
 
     def action(self, seq: Sequence, step: int) -> str:
-        """What a prefilled request does at global step `step`: verify, draft, wait, stall or
-        ahead."""
+        """What a prefilled request does at global step `step`: verify, draft, wait, stall,
+        ahead (decode on the token in flight) or draft ahead (of the verification in flight)."""
         if seq.awaiting_result:
             # ahead of one token in flight (not of a verification's drafts), and only if that
             # token is not the request's last
             runs_ahead = self.spec.runs_ahead or (seq.decodes_plainly and seq.num_drafts == 0)
-            return "ahead" if runs_ahead and self.draft_limit(seq) > 0 else "stall"
+            if runs_ahead:
+                return "ahead" if self.draft_limit(seq) > 0 else "stall"
+            # a draft is worth making even if every checked draft is accepted
+            if (self.spec.drafts_ahead and not seq.decodes_plainly
+                    and self.draft_limit(seq, committing=seq.num_drafts + 1) > 0):
+                return "draft ahead"
+            return "stall"
         if seq.decodes_plainly or (step - seq.verify_slot) % self.period == 0:
             return "verify"
         drafts_worth_making = min(self.spec.drafts_per_cycle, self.draft_limit(seq))
         return "draft" if seq.num_drafts < drafts_worth_making else "wait"
 
-    def draft_limit(self, seq: Sequence) -> int:
-        """Drafts worth making this cycle: at most k, no more than the tokens and context left."""
-        remaining = seq.params.max_new_tokens - seq.num_output
-        room = self.max_len - len(seq.tokens) - 1
+    def draft_limit(self, seq: Sequence, committing: int = 0) -> int:
+        """Drafts worth making this cycle: at most k, no more than the tokens and context left
+        (once `committing` more tokens are committed)."""
+        remaining = seq.params.max_new_tokens - seq.num_output - committing
+        room = self.max_len - len(seq.tokens) - committing - 1
         return max(0, min(self.spec.stride, remaining - 1, room))
 
     # --- one step ---------------------------------------------------------------------------------
@@ -246,11 +265,13 @@ class Scheduler:
                 raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold "
                                    f"the step even after offloading every other request")
         for w in works:  # bookkeeping that does not depend on this step's results
-            new_tokens = w.start + w.num_tokens - self.cache.length(w.seq.seq_id)
+            new_tokens = w.end - self.cache.length(w.seq.seq_id)
             if new_tokens > 0:
                 self.cache.append(w.seq.seq_id, new_tokens)
             if w.kind == "prefill":
                 w.seq.num_prefilled += w.num_tokens
+            elif w.ahead:                # counted once its verification's result is in
+                w.seq.drafted_ahead = True
             elif w.kind == "draft":
                 w.seq.num_drafts += 1
             if w.kind == "verify" or w.final_prefill:
@@ -287,6 +308,8 @@ class Scheduler:
                 works.append(Work(seq, "verify", seq.num_verified + 1, 1))
             elif action == "draft":
                 works.append(Work(seq, "draft", seq.num_verified + seq.num_drafts, 1))
+            elif action == "draft ahead":
+                works.append(Work(seq, "draft", seq.num_verified + 1, 1, ahead=True))
         return works
 
     def _fits(self, works: list[Work]) -> bool:
@@ -295,7 +318,7 @@ class Scheduler:
         per_work = -(-max((w.num_tokens for w in works), default=0) // self.cache.block_size) + 1
         if len(works) * per_work <= self.cache.free_blocks():
             return True
-        need = sum(self.cache.blocks_to_cover(w.seq.seq_id, w.start + w.num_tokens) for w in works)
+        need = sum(self.cache.blocks_to_cover(w.seq.seq_id, w.end) for w in works)
         return need <= self.cache.free_blocks()
 
     def _pick_victim(self, works: list[Work]) -> Sequence | None:

@@ -86,7 +86,8 @@ class StepLists:
 
     def __init__(self, spec: SpecConfig, cache: KVCache, scratch_row: int):
         self.spec, self.cache, self.scratch_row = spec, cache, scratch_row
-        self.stride = max(spec.stride, 1)            # columns of the runner's draft-token buffer
+        # columns of the runner's draft-token buffer: k drafts and a verification's next token
+        self.token_columns = max(spec.stride, 1) + 1
         self.selection_len = [0] * scratch_row
         self.tables_sent: list[tuple[int, list[int]]] = [(-1, [])] * scratch_row  # (seq_id, table)
 
@@ -109,7 +110,8 @@ class StepLists:
             scores=pillar and any(not w.seq.decodes_plainly for w, _ in plan.checks),
             sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
             selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
-            window=max((w.start - w.seq.num_verified + 1 for w in sparse), default=0),
+            window=max((self._window(w) + (w.seq.num_drafts if w.ahead else 0)
+                        for w in sparse), default=0),
             lookup_context=max((w.seq.num_verified for w in sparse), default=0)
             if self.spec.method == "pillar-lookup" else 0,
             drafts=len(plan.drafts), checks=len(plan.checks),
@@ -117,6 +119,12 @@ class StepLists:
             draft_flags=flags(plan.drafts) if plan.drafts else (),
             check_flags=flags(plan.checks) if plan.checks else (),
             dense_runs=self._dense_runs(dense))
+
+    @staticmethod
+    def _window(w: Work) -> int:
+        """The positions a draft attends to since its request's last verification, its own
+        included (a draft ahead: if none of the drafts in flight is accepted)."""
+        return w.start - w.seq.num_verified + 1
 
     def _dense_runs(self, dense: list[Work]) -> tuple:
         """(first, count, query rows, context blocks, prefill) of each run of dense requests,
@@ -171,11 +179,13 @@ class StepLists:
     def _token_lists(self, works: list[Work]) -> dict[str, list]:
         """input_ids, positions and runner rows of the step's tokens [T] (the device finds each
         token's KV slot in its row's block table); feed_from: a device draft input's flat index in
-        the draft buffer [rows + 1, k], else -1. Drafts are fed from the device: the draft at
-        position p sits in column p - (num_verified + 1) of its request's row (run-ahead: the
-        verification's next token in column 0)."""
-        ids, positions, rows, feed_from = [], [], [], []
-        k, ngram = self.stride, self.spec.method == "ngram"
+        the draft buffer [rows + 1, k + 1], else -1. Drafts are fed from the device: the draft at
+        position p sits in column p - (num_verified + 1) of its request's row, and a
+        verification's next token right after the drafts it accepted. ahead: 1 for a draft ahead
+        of its verification's result, whose position and input the device moves on by the
+        accepted count (`Work.ahead`)."""
+        ids, positions, rows, feed_from, ahead = [], [], [], [], []
+        k, ngram = self.token_columns, self.spec.method == "ngram"
         for w in works:
             seq, start, n = w.seq, w.start, w.num_tokens
             first_draft = len(seq.tokens)                        # num_verified + 1
@@ -185,6 +195,7 @@ class StepLists:
             elif n == 1:   # a decode step's or a draft step's one token: most works, kept cheap
                 positions.append(start)
                 rows.append(seq.row)
+                ahead.append(int(w.ahead))
                 if start < first_draft:                          # the pending token
                     ids.append(seq.tokens[-1])
                     feed_from.append(-1)
@@ -201,7 +212,9 @@ class StepLists:
                               for p in range(start, start + n)]
             positions += range(start, start + n)
             rows += [seq.row] * n
-        return {"input_ids": ids, "positions": positions, "token_row": rows, "feed_from": feed_from}
+            ahead += [0] * n
+        return {"input_ids": ids, "positions": positions, "token_row": rows, "feed_from": feed_from,
+                "ahead": ahead}
 
     @staticmethod
     def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
@@ -220,7 +233,7 @@ class StepLists:
         seqs = [w.seq for w, _ in sparse]
         lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
                  "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
-                 "sparse_window": [w.start - w.seq.num_verified + 1 for w, _ in sparse]}
+                 "sparse_window": [self._window(w) for w, _ in sparse]}
         if self.spec.method == "pillar-lookup":
             lists["sparse_verified"] = [s.num_verified for s in seqs]
             # The token before each draft's input: committed (in context_tokens, the pending one
@@ -235,7 +248,8 @@ class StepLists:
     def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
         return {"draft_logit_row": [r for _, r in drafts],
                 "draft_row": [w.seq.row for w, _ in drafts],
-                "draft_index": [w.start - w.seq.num_verified for w, _ in drafts],
+                # (a draft ahead is its request's next cycle's first)
+                "draft_index": [0 if w.ahead else w.start - w.seq.num_verified for w, _ in drafts],
                 "draft_position": [w.start + 1 for w, _ in drafts]}
 
     def _check_lists(self, plan: StepPlan, with_scores: bool, m_max: int) -> dict[str, list]:
@@ -248,6 +262,8 @@ class StepLists:
                  "check_row": [w.seq.row for w, _ in checks], "check_num_drafts": num_drafts,
                  "check_first_position": [w.start + w.num_tokens if w.kind == "prefill"
                                           else w.start + 1 for w, _ in checks]}
+        if self.spec.drafts_ahead:   # where its K/V go in the draft buffers (runner._compute)
+            lists["check_n_sel"] = [self.selection_len[w.seq.row] for w, _ in checks]
         if self.spec.method == "ngram":
             lists["ngram_drafts"] = [w.seq.ngram_drafts[:m] + [0] * (m_max - m)
                                      for (w, _), m in zip(checks, num_drafts)]   # [Bv, M]

@@ -273,6 +273,13 @@ def test_the_drafting_rows_take_the_plain_tail():
     assert bench_rows.spec_for("+async", default, 10).plain_tail == SpecConfig.plain_tail > 0
 
 
+def test_the_async_rows_draft_ahead_unless_told_not_to():
+    default = bench.build_parser().parse_args(["--pillar-method", "pillar-lookup"])
+    assert bench_rows.spec_for("+async", default, 10).drafts_ahead
+    stall = bench.build_parser().parse_args(["--pillar-method", "pillar-lookup", "--no-draft-ahead"])
+    assert not bench_rows.spec_for("+async", stall, 10).drafts_ahead
+
+
 def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
     """--num-requests > --batch-size: every request runs to the end through the slots (continuous batching for ours,
     consecutive batches for transformers), and greedy speculation still writes plain decoding's tokens."""

@@ -181,8 +181,8 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
         lookups[:] = args
         return kept_beside_lookups(*args)
 
-    def checked_batch(self, shape, dev, input_ids):
-        batch = sparse_batch(self, shape, dev, input_ids)
+    def checked_batch(self, shape, dev, *inputs):
+        batch = sparse_batch(self, shape, dev, *inputs)
         rows, n_sel = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel"))
         gathered.add(batch.read_row is None)
         critical = merge_lookup(*lookups) if method == "pillar-lookup" else [selections[row] for row in rows]

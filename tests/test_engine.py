@@ -135,7 +135,8 @@ def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, meth
     """After every processed verification (and last prefill chunk) the request's cache holds exactly its verified
     positions and the blocks they need: rejected drafts' KV is forgotten and their emptied blocks return to the pool.
     Checked where the engine hands over committed tokens (`on_commit`): that request then has no step in flight, also
-    with delayed verification (it sits out the step launched meanwhile). kv_blocks=12 adds offload and restore."""
+    with delayed verification (it sits out the step launched meanwhile, or drafts ahead of the result: then the cache
+    also holds that draft's position). kv_blocks=12 adds offload and restore."""
     from nano_sparsespec.async_loop import Engine, Observers
     from nano_sparsespec.kv_cache import KVCache
     from nano_sparsespec.model import load_model
@@ -154,7 +155,7 @@ def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, meth
     seen = []
 
     def check(seq, tokens, accepted):
-        n = seq.num_verified
+        n = seq.num_verified + seq.num_drafts                              # (a draft ahead, or none)
         seen.append((seq.seq_id, cache.length(seq.seq_id), len(cache.block_table(seq.seq_id)), n,
                      -(-n // block_size)))
     stats = engine.run(Observers(on_commit=check))
@@ -206,10 +207,10 @@ def verifications_per_step(llm, prompts, params) -> list[tuple[int, int, int]]:
     return steps
 
 
-@pytest.mark.parametrize("async_verify", [False, True])
-def test_balanced_verifies_about_b_over_p_requests_every_step(tiny_qwen3, async_verify):
+@pytest.mark.parametrize("async_verify,draft_ahead", [(False, True), (True, False), (True, True)])
+def test_balanced_verifies_about_b_over_p_requests_every_step(tiny_qwen3, async_verify, draft_ahead):
     """Balanced batching: with B requests decoding and P steps per cycle (k drafts, the
-    verification and, delayed, the stall), every step verifies floor(B / P) or ceil(B / P) of
+    verification and, delayed without drafts ahead, the stall), every step verifies floor(B / P) or ceil(B / P) of
     them, so within one of B / P. 12 requests start together (with delayed verification the slot
     of the step their prefill's result is processed on takes a wait to reach); then 30 with
     different prompt and output lengths pass through 12 rows, arriving and finishing at different
@@ -217,7 +218,7 @@ def test_balanced_verifies_about_b_over_p_requests_every_step(tiny_qwen3, async_
     g = torch.Generator().manual_seed(2)
     k = 4
     options = dict(method="pillar", stride=k, min_budget=8, batch_policy="balanced",
-                   async_verify=async_verify, device="cpu", dtype="float32", max_batch=12)
+                   async_verify=async_verify, draft_ahead=draft_ahead, device="cpu", dtype="float32", max_batch=12)
     together = [torch.randint(0, 250, (8,), generator=g).tolist() for _ in range(12)]
     apart = [torch.randint(0, 250, (int(n),), generator=g).tolist()
              for n in torch.randint(3, 40, (30,), generator=g)]
@@ -226,7 +227,7 @@ def test_balanced_verifies_about_b_over_p_requests_every_step(tiny_qwen3, async_
     runs = [(LLM(str(tiny_qwen3[0]), prefill_chunk=1024, **options), together,
              SamplingParams(max_new_tokens=60, ignore_eos=True)),
             (LLM(str(tiny_qwen3[0]), prefill_chunk=64, **options), apart, apart_params)]
-    period = k + 1 + async_verify
+    period = k + 1 + (async_verify and not draft_ahead)
     for llm, prompts, params in runs:
         steps = verifications_per_step(llm, prompts, params)
         assert len(steps) > 100
@@ -276,6 +277,43 @@ def test_the_plain_tail_decodes_a_token_every_step_losslessly(tiny_qwen3, cuda_g
             assert [i for i, _ in own if i >= first_plain] == list(range(first_plain, own[-1][0] + 1))
             assert own[-1][0] - first_plain >= 40
     assert step_counts[0] < step_counts[1], step_counts      # one token a step beats a cycle's tokens
+
+
+@pytest.mark.parametrize("method,cuda_graphs", [("pillar-lookup", False), ("pillar-lookup", True),
+                                                ("streaming", False)])
+def test_drafting_ahead_removes_the_stall(tiny_qwen3, method, cuda_graphs):
+    """Delayed verification with drafts ahead: on the step after its verification a request drafts ahead of the result
+    (on the device's accepted count) instead of sitting the step out; it stalls only where a draft could pass its
+    last token (every draft in flight accepted). Greedy output equals plain decoding's, eager and padded, and the run
+    takes fewer steps than with the stall."""
+    from nano_sparsespec.scheduler import Status
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (12,), generator=g)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in torch.randint(30, 80, (12,), generator=g)]
+    options = dict(device="cpu", dtype="float32", block_size=16, max_batch=12, prefill_chunk=64)
+    plain = [o.token_ids for o in LLM(str(tiny_qwen3[0]), method="plain", **options).generate(
+        None, params, prompt_token_ids=prompts)]
+    k, steps = 4, {}
+    for draft_ahead in (True, False):
+        stalls, aheads = [], 0
+
+        def on_step(event):
+            nonlocal aheads
+            scheduled = {id(w.seq) for w in event.works}
+            aheads += sum(w.ahead for w in event.works)
+            stalls.extend((s.params.max_new_tokens - s.num_output, s.num_drafts) for s in event.running
+                          if s.status == Status.RUNNING and s.awaiting_result and id(s) not in scheduled)
+        llm = LLM(str(tiny_qwen3[0]), method=method, stride=k, min_budget=8, budget_ratio=0.1, async_verify=True,
+                  draft_ahead=draft_ahead, plain_tail=0.0, cuda_graphs=cuda_graphs, **options)
+        outs = llm.generate(None, params, prompt_token_ids=prompts, on_step=on_step)
+        assert [o.token_ids for o in outs] == plain
+        steps[draft_ahead] = llm.last_stats.steps
+        if draft_ahead:   # (tokens left, drafts in flight): all accepted, one more draft would pass the last token
+            assert aheads > 50 and all(left - (drafts + 1) < 2 for left, drafts in stalls), stalls
+        else:
+            assert aheads == 0 and len(stalls) > 50
+    assert steps[True] < steps[False], steps
 
 
 def test_every_request_finishes_with_tiny_pool(tiny_qwen3, prompts, plain_greedy):

@@ -22,7 +22,7 @@ TUTORIALS = {
     "02_naive_speculation": "identical token for token: True",
     "03_pillar_attn": "Every run identical to plain greedy: True",
     "04_unified_batching": "outputs identical under both policies: True",
-    "05_delayed_verification": "plain == sync == async, every request, token for token: True",
+    "05_delayed_verification": "plain == sync == async == ahead, every request, token for token: True",
     "06_dynamic_kv_cache": "outputs identical with and without the bound: True",
     "07_all_together": "Qwen3-8B needs 16.4 GB of bf16 weights plus 144 KiB of KV per token: on an H200 (141 GB) "
                        "about 0.85 M tokens of KV.",

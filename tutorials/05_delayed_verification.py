@@ -112,8 +112,9 @@ def main(argv=None) -> None:
     plain = [o.token_ids for o in llm.generate(None, params, prompt_token_ids=prompts)]
 
     runs = {}
-    for mode, async_verify in (("sync", False), ("async", True)):
-        with_spec(llm, method="pillar", stride=k, min_budget=16, batch_policy="balanced", async_verify=async_verify)
+    for mode, async_verify, draft_ahead in (("sync", False, False), ("async", True, False), ("ahead", True, True)):
+        with_spec(llm, method="pillar", stride=k, min_budget=16, batch_policy="balanced", async_verify=async_verify,
+                  draft_ahead=draft_ahead)
         commits = []                                 # (step being scheduled when the commit happened, request, tokens)
         log = StepLog()
 
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
           "a result (it copies accepted counts and tokens back), then commits tokens, rolls back rejected KV and "
           "refreshes the critical positions. Async processes step t-1 AFTER launching step t.")
 
-    section(f"2. The step timeline ({batch} requests, method='pillar', k = {k}, balanced)")
+    section(f"2. The step timeline ({batch} requests, method='pillar', k = {k}, balanced; 'ahead' in section 6)")
     for mode, (log, *_rest) in runs.items():
         timeline(log, count=40, label=mode)
     print("P prefill, D draft, V verify, s stall. Sync: each request verifies every k+1 = "
@@ -183,17 +184,30 @@ def main(argv=None) -> None:
           "barely does: at large batch on a GPU the host's share is what decides.")
 
     section("5. The output does not change")
-    same = plain == runs["sync"][2] == runs["async"][2]
-    print(f"plain == sync == async, every request, token for token: {same}")
+    same = plain == runs["sync"][2] == runs["async"][2] == runs["ahead"][2]
+    print(f"plain == sync == async == ahead, every request, token for token: {same}")
     print("Delaying only changes WHEN the host learns a verification's result, not WHAT was computed: the stalled "
           "request does nothing in between, drafts never build on unverified state, and every token still passes "
           "the same verification against the same full-attention target.")
     if not same:
         raise SystemExit("delayed verification changed the output: this is a bug")
 
+    section("6. Drafting ahead of the result: no stall")
+    log = runs["ahead"][0]
+    decoding = [a for s in log.steps for a in s.actions.values() if a in "DVs"]
+    print(f"The 'ahead' run (SpecConfig.draft_ahead, the default) stalled {decoding.count('s')} of {len(decoding)} "
+          f"decoding request-steps, in {len(log.steps)} steps against the async run's {len(runs['async'][0].steps)}: "
+          "after each prefill (there is no selection to draft from yet) and near a request's end (where one more "
+          "draft could pass its last token). Elsewhere, on the step after its verification a request drafts anyway. "
+          "Its position (after the accepted drafts) and its input (the verification's next token) exist only on the "
+          "device: the verification leaves both there, and the draft step reads them. It attends to its previous "
+          "selection and to the verification's K/V of the positions just accepted; the selection made from the "
+          "result meanwhile serves the drafts after it. Its drafts are accepted a little less often (an older "
+          "selection), but no request gives up a step.")
+
     def draw(plt):
         colors = {"P": 0, "D": 1, "V": 2, "s": 3}
-        fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 + 0.5 * batch * 2))
+        fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.2 + 0.5 * batch * len(runs)))
         for ax, (mode, (lg, *_rest)) in zip(axes, runs.items()):
             grid = [[colors.get(s.actions.get(i, ""), float("nan")) for s in lg.steps] for i in range(batch)]
             ax.imshow(grid, aspect="auto", cmap="tab10", vmin=0, vmax=9, interpolation="nearest")

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-tail", type=float, default=SpecConfig.plain_tail,
                    help="drafting rows: the requests left decode plainly once fewer than this "
                         "share of the most that decoded together remain (0: never)")
+    p.add_argument("--no-draft-ahead", action="store_true",
+                   help="+async rows: a request sits out the step after its verification (the "
+                        "stall) instead of drafting ahead of the result")
     p.add_argument("--pillar-method", default="pillar",
                    choices=[m for m in DRAFT_METHODS if m.startswith("pillar")],
                    help="drafter of the pillar-naive / +balanced / +offload / +async rows and of "

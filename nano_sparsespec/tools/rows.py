@@ -287,8 +287,8 @@ def spec_for(name: str, args, kv_blocks: int) -> SpecConfig:
     return SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio,
                       min_budget=args.min_budget, max_batch=args.batch_size,
                       prefill_chunk=args.prefill_chunk, block_size=args.block_size,
-                      plain_tail=args.plain_tail, kv_blocks=kv_blocks if offload else None,
-                      **fields)
+                      plain_tail=args.plain_tail, draft_ahead=not args.no_draft_ahead,
+                      kv_blocks=kv_blocks if offload else None, **fields)
 
 
 def finish_rows(rows: list[dict], peak_gbs: float, greedy: bool) -> None:

@@ -11,7 +11,9 @@ prefill the least-loaded slot, so each step carries about B / P verifications fo
 
 Check your answer: python -m tutorials.check 4
 The package's scheduler adds two refinements left out here: on a tie it prefers a slot the request reaches without
-waiting, and a request that holds its k drafts before its slot comes round waits for it (action 'wait').
+waiting, and a request that holds its k drafts before its slot comes round waits for it (action 'wait'). By default
+it also removes the stall (SpecConfig.draft_ahead): the request drafts ahead of the result, at the position and on
+the token the device holds; the checker compares against the scheduler with the stall.
 (reference: nano_sparsespec.scheduler.Scheduler: .period, .assign_slot, .action)
 """
 
