@@ -4,18 +4,18 @@ verifications checked on the device.
 Owns
   * running a step: the host's lists (step_lists.py) go to the device in one copy; `_compute`
     builds the flat inputs and the `AttentionContext`, runs the forward, samples the drafts and
-    verifies the checks. A padded static step records `_compute` as one CUDA graph.
-  * the per-request device buffers: draft tokens (and distributions), the draft buffers (K/V of
-    critical positions, then drafts' K/V), pillar-lookup's selections and committed tokens,
-    sampling parameters and a mirror of each block table (changes only).
+    verifies the checks (their rows: readout.py). A padded static step records `_compute` as one
+    CUDA graph.
+  * the per-request device buffers: draft tokens (and distributions), each row's pending position
+    (where a draft ahead of a verification's result goes), the draft buffers (K/V of critical
+    positions, then drafts' K/V), pillar-lookup's selections and committed tokens, sampling
+    parameters and a mirror of each block table (changes only).
 Everything `launch` returns stays on the device; `StepResult.fetch` is the step's one host
 synchronisation, so the engine can launch step t before it looks at step t-1.
 
 Must not decide who runs (the scheduler does) or re-implement attention or sampling.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,32 +28,9 @@ from .device import Packed, to_device
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Sequence, Work
+from .readout import Readout
 from .step_lists import StepLists, StepPlan, StepShape
 from .step_result import StepResult, joined_results
-
-
-# the named device lists of a step (`_lists`) that make up its Readout
-READOUT_LISTS = ("draft_logit_row", "draft_row", "draft_index", "draft_position",
-                 "check_row", "check_num_drafts", "check_first_position",
-                 "ngram_drafts")
-
-
-@dataclass
-class Readout:
-    """The token rows a step samples as drafts and those that verify, for which request rows
-    (device), with their sampling flags (host); None where the step has no drafts / no checks."""
-    draft_logit_row: torch.Tensor | None = None       # [Nd] flat token row that samples the draft
-    draft_row: torch.Tensor | None = None             # [Nd] its request's row
-    draft_index: torch.Tensor | None = None           # [Nd] the draft buffer column it fills
-    draft_position: torch.Tensor | None = None        # [Nd] position it will occupy (its counter)
-    check_logit_rows: torch.Tensor | None = None      # [Bv, M+1] m+1 rows (then the last
-                                                      #   again), or prefill's last row
-    check_row: torch.Tensor | None = None             # [Bv] its request's row
-    check_num_drafts: torch.Tensor | None = None      # [Bv] drafts it checks (0..M)
-    check_first_position: torch.Tensor | None = None  # [Bv] position its first logit row decides
-    ngram_drafts: torch.Tensor | None = None          # [Bv, M] n-gram drafts (method ngram only)
-    draft_flags: dict | None = None                   # SamplingTensors.host_flags of the drafts
-    check_flags: dict | None = None                   # ... and of the checks
 
 
 class ModelRunner:
@@ -291,21 +268,15 @@ class ModelRunner:
             ctx.dense = self._dense_batch(shape, lists)
         if shape.sparse_batch:
             ctx.sparse = self._sparse_batch(shape, lists, input_ids, shift)
-        readout = Readout(**{name: lists.get(name) for name in READOUT_LISTS},
-                          draft_flags=dict(shape.draft_flags), check_flags=dict(shape.check_flags))
-        if shape.drafts:
-            readout.draft_position = readout.draft_position + shift[readout.draft_logit_row]
-        if shape.checks:   # a check's m + 1 rows end at its last; padded with the last one
+        readout = Readout.of(shape, lists, shift)
+        if "check_n_sel" in lists:   # a check's row j: column j of its request's window
             j = torch.arange(shape.check_drafts + 1, device=self.device)                # [M+1]
-            back = (lists["check_num_drafts"][:, None] - j).clamp(min=0)
-            readout.check_logit_rows = lists["check_last_row"][:, None] - back     # [Bv, M+1]
-            if "check_n_sel" in lists:   # a check's row j: column j of its request's window
-                columns = (lists["check_n_sel"] + self.lookups)[:, None] + j         # [Bv, M+1]
-                rows = lists["check_row"][:, None].expand_as(columns)
-                ctx.window_writes = (readout.check_logit_rows.flatten(), rows.flatten(),
-                                     columns.flatten())
+            columns = (lists["check_n_sel"] + self.lookups)[:, None] + j             # [Bv, M+1]
+            rows = lists["check_row"][:, None].expand_as(columns)
+            ctx.window_writes = (readout.check_logit_rows.flatten(), rows.flatten(),
+                                 columns.flatten())
         hidden = self.model(input_ids, positions, ctx)                              # [T, hidden]
-        draft_logits, check_logits = self._logits(hidden, readout)
+        draft_logits, check_logits = readout.logits(self.model, hidden)
         if readout.draft_row is not None:
             self._sample_drafts(draft_logits, readout)
         scores = ctx.dense.scores if ctx.dense is not None else None
@@ -378,19 +349,7 @@ class ModelRunner:
         return SparseBatch(dev["sparse_first_row"], read_row, rows,
                            first_window[:, 0] + window - 1, valid)
 
-    # --- the readout -------------------------------------------------------------------------
-    def _logits(self, hidden: torch.Tensor, r: Readout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LM head over drafts' and checks' rows in one matmul -> [Nd, V], [Bv * (M+1), V].
-        torch.compile specialises a storage offset of 0, so each compiled sampler meets its
-        logits at the same kind of place in every step: the checks' first, the drafts' never (a
-        step without checks leads with a copy of the first draft's row)."""
-        none = hidden.new_zeros(0, dtype=torch.long)
-        drafts = r.draft_logit_row if r.draft_row is not None else none
-        checks = r.check_logit_rows.flatten() if r.check_row is not None else none
-        lead = checks if checks.shape[0] else drafts[:1]
-        logits = self.model.logits(hidden[torch.cat([lead, drafts])])   # [Bv * (M+1) + Nd, V]
-        return logits[lead.shape[0]:], logits[:checks.shape[0]]
-
+    # --- drafts and checks from the readout's logits -----------------------------------------
     def _sample_drafts(self, logits: torch.Tensor, r: Readout) -> None:
         """Sample drafts from logits [Nd, V] into the draft buffer (and their distributions)."""
         st = self.sampling.select(r.draft_row, r.draft_flags)

@@ -257,7 +257,7 @@ class StepLists:
         m + 1 rows end there; a prefill chunk's last row is its only one); with scores, each
         one's dense batch index."""
         checks, num_drafts = plan.checks, plan.num_drafts
-        # the device takes each check's logit rows back from its last one (`Readout`)
+        # the device takes each check's logit rows back from its last one (`readout.Readout`)
         lists = {"check_last_row": [r + w.num_tokens - 1 for w, r in checks],
                  "check_row": [w.seq.row for w, _ in checks], "check_num_drafts": num_drafts,
                  "check_first_position": [w.start + w.num_tokens if w.kind == "prefill"

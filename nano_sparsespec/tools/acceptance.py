@@ -128,6 +128,9 @@ class NoRepeatNgramRunner(ModelRunner):
         super().__init__(model, cache, spec, *args, **kwargs)
         if self.graphs is not None:   # the ban is host code, which a graph cannot replay
             raise ValueError("--no-repeat-ngram needs the eager path (cuda_graphs=False)")
+        if spec.drafts_ahead:         # ... which needs each draft's history on the host
+            raise ValueError("--no-repeat-ngram needs drafts made after their verification's "
+                             "result (draft_ahead=False)")
         self.model = _BannedLogits(model, self.ngram)
 
     def _drafts_of(self, seq, count: int) -> list[int]:
@@ -138,7 +141,7 @@ class NoRepeatNgramRunner(ModelRunner):
         return self.draft_tokens[seq.row, :count].tolist()
 
     def _run(self, plan, shape, static):
-        """Set each logits row's history, in `ModelRunner._logits` order: each check's M + 1 rows
+        """Set each logits row's history, in `Readout.logits` order: each check's M + 1 rows
         (row j: the first j drafts), then each draft's (output and drafts before it)."""
         histories, m_max = [], max(plan.num_drafts, default=0)
         for (w, _), m in zip(plan.checks, plan.num_drafts):
