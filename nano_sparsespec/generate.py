@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="naive: all requests verify in lock-step; balanced: verifications staggered "
              "(default: %(default)s)")
     add("--async", dest="async_verify", action=argparse.BooleanOptionalAction, default=False,
-        help="delayed verification (with --method plain: each step is launched before the host "
-             "reads the previous token) (default: off)")
+        help="delayed verification: each step is launched before the host reads the previous "
+             "one's results; the step after a verification drafts ahead of its result (pillar, "
+             "pillar-lookup, streaming) or decodes ahead of the token (plain) (default: off)")
     add("--kv-blocks", type=int, default=None,
         help="device KV pool size in blocks; when short, requests are offloaded to host memory "
              "(default: room for the whole batch)")

@@ -14,8 +14,8 @@ the token is, and the next step reads the token where it already lies, on the de
 baseline every benchmark compares against runs this way).
 
 The script decodes 4 short prompts, 32 new tokens each: first plainly (the reference), then with method='pillar',
-k = 4, balanced, sync and async (`SpecConfig.async_verify`). It records every step with `on_step` (a `StepLog`) and
-every commit with `on_commit`. Numbers from one default run on a shared 2-core cloud VM:
+k = 4, balanced, sync, async (`SpecConfig.async_verify`) and async drafting ahead. It records every step with
+`on_step` (a `StepLog`) and every commit with `on_commit`. Numbers from one default run on a shared 2-core cloud VM:
 
 1. The engine loop, both ways (async_loop.Engine.run):
        sync : works = schedule(t);  result = launch(works);  process(result)
@@ -27,14 +27,14 @@ every commit with `on_commit`. Numbers from one default run on a shared 2-core c
 
 3. What happens at each step with delayed verification: for steps 1-7, what schedule(t) planned and what
    process(t-1) committed while step t ran, e.g.
-       t=6   schedule(6): r0 V, r1 V, r2 D, r3 D   launch(6)   process(5): nothing to commit
-       t=7   schedule(7): r0 s, r1 s, r2 D, r3 D   launch(7)   process(6): r0 +5 tokens, r1 +1 tokens
-   r0 and r1 verified at step 6; their results are committed during step 7, which they sit out. In all, 36 of 185
-   decoding request-steps were stalls (19%): one per cycle (1/6 = 17%) plus one after each prefill.
+       t=6   schedule(6): r0 V, r1 D, r2 D, r3 D   launch(6)   process(5): nothing to commit
+       t=7   schedule(7): r0 s, r1 D, r2 D, r3 D   launch(7)   process(6): r0 +5 tokens
+   r0 verified at step 6; its result is committed during step 7, which it sits out. In all, 38 of 199 decoding
+   request-steps were stalls (19%): one per cycle (1/6 = 17%) plus one after each prefill.
 
-4. The price and the prize. The sync run's steps split into launch (209 ms per step in the quoted run, which on a
+4. The price and the prize. The sync run's steps split into launch (163 ms per step in the quoted run, which on a
    CPU includes the whole forward: torch runs every op as it is issued) and host work (0.5 ms). So on a CPU
-   nothing overlaps and the async run simply has more steps (50 against 40). On a GPU, launch only queues kernels;
+   nothing overlaps and the async run simply has more steps (58 against 48). On a GPU, launch only queues kernels;
    two text lanes show both loops with host work half as long as a device step ('#' device busy, '=' host busy).
    Sync costs device + host per step, async max(device, host), but each request gives one step in k + 2 to the
    stall, so async wins when host time exceeds 1/(k + 1) of the device time:
@@ -51,7 +51,12 @@ every commit with `on_commit`. Numbers from one default run on a shared 2-core c
    request does nothing meanwhile, no draft builds on unverified state, and every token passes the same
    verification against the same full-attention target.
 
-With matplotlib: tutorials/out/05_delayed_verification.png, the two timelines as coloured grids.
+6. Drafting ahead of the result removes the stall (`SpecConfig.draft_ahead`, the engine's default; a third run,
+   'ahead'): the request drafts on the step after its verification, at the position (after the accepted drafts) and
+   on the token (the verification's next) that the verification left on the device, with its previous selection.
+   9 of 181 decoding request-steps stalled (after each prefill, and near a request's end), in 53 steps against 58.
+
+With matplotlib: tutorials/out/05_delayed_verification.png, the three timelines as coloured grids.
 
 Next: tutorial 06 bounds the KV pool and spills whole requests to host memory.
 """
