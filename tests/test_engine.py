@@ -413,19 +413,24 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("method", ["pillar", "streaming", "ngram"])
-def test_speculative_sampling_matches_plain_sampling(tiny_qwen3, method):
-    """Distribution of the first generated tokens: speculative sampling vs plain sampling (alpha = 1e-3)."""
-    n = 1500
+@pytest.mark.parametrize("method,async_verify", [("pillar", False), ("streaming", False), ("ngram", False),
+                                                 ("pillar-lookup", True)])
+def test_speculative_sampling_matches_plain_sampling(tiny_qwen3, method, async_verify):
+    """Distribution of the first generated tokens: speculative sampling vs plain sampling (alpha = 1e-3). With delayed
+    verification, the tokens of the second cycle too, whose first draft was sampled ahead of the first's result."""
+    n, tokens = 1500, 8 if async_verify else 4
     prompt = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = [SamplingParams(temperature=1.5, top_k=20, max_new_tokens=4, ignore_eos=True, seed=s) for s in range(n)]
-    params_b = [SamplingParams(temperature=1.5, top_k=20, max_new_tokens=4, ignore_eos=True, seed=10 ** 6 + s)
+    params = [SamplingParams(temperature=1.5, top_k=20, max_new_tokens=tokens, ignore_eos=True, seed=s)
+              for s in range(n)]
+    params_b = [SamplingParams(temperature=1.5, top_k=20, max_new_tokens=tokens, ignore_eos=True, seed=10 ** 6 + s)
                 for s in range(n)]
     _, plain = run(tiny_qwen3[0], [prompt] * n, params, method="plain", max_batch=n)
-    llm, spec = run(tiny_qwen3[0], [prompt] * n, params_b, method=method, stride=3, min_budget=4,
-                    budget_ratio=0.01, max_batch=n)
-    assert sum(llm.last_stats.drafts_offered) > 0
-    for position in (1, 2, 3):   # the first token comes from the prefill; later ones from verification
+    llm, aheads = LLM(str(tiny_qwen3[0]), method=method, stride=3, min_budget=4, budget_ratio=0.01, max_batch=n,
+                      async_verify=async_verify), []
+    spec = llm.generate(None, params_b, prompt_token_ids=[prompt] * n,
+                        on_step=lambda event: aheads.extend(w.seq for w in event.works if w.ahead))
+    assert sum(llm.last_stats.drafts_offered) > 0 and (len(aheads) > n) == async_verify
+    for position in range(1, tokens):   # the first token comes from the prefill; later ones from verification
         a = np.array([o.token_ids[position] for o in plain])
         b = np.array([o.token_ids[position] for o in spec])
         stat, df = chi_square_two_sample(a, b)
