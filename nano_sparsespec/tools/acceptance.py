@@ -126,11 +126,8 @@ class NoRepeatNgramRunner(ModelRunner):
 
     def __init__(self, model, cache, spec, *args, **kwargs):
         super().__init__(model, cache, spec, *args, **kwargs)
-        if self.graphs is not None:   # the ban is host code, which a graph cannot replay
-            raise ValueError("--no-repeat-ngram needs the eager path (cuda_graphs=False)")
-        if spec.drafts_ahead:         # ... which needs each draft's history on the host
-            raise ValueError("--no-repeat-ngram needs drafts made after their verification's "
-                             "result (draft_ahead=False)")
+        if self.graphs is not None or spec.drafts_ahead:   # the ban: host code on host histories
+            raise ValueError("--no-repeat-ngram needs cuda_graphs=False and draft_ahead=False")
         self.model = _BannedLogits(model, self.ngram)
 
     def _drafts_of(self, seq, count: int) -> list[int]:
