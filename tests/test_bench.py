@@ -303,6 +303,16 @@ def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
     assert "batch 2 (5 requests)" in (tmp_path / "b.md").read_text()
 
 
+def test_device_timeline_counts_overlaps_once_and_gaps_as_idle():
+    """A traced window's device timeline: the span from the first activity's start to the last's end, busy the
+    length of the activities' union (overlapping kernels count once, gaps between them are idle)."""
+    from nano_sparsespec.tools.measure import device_timeline
+    assert device_timeline([]) == (0.0, 0.0)
+    assert device_timeline([(5.0, 7.0)]) == (2.0, 2.0)
+    # [0, 4] and [2, 3] overlap, [1, 5] extends them, idle 5-8, [8, 9], idle 9-10, [10, 12] inside [10, 13]
+    assert device_timeline([(10.0, 12.0), (0.0, 4.0), (2.0, 3.0), (8.0, 9.0), (1.0, 5.0), (10.0, 13.0)]) == (13.0, 9.0)
+
+
 def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):
     """--trace-steps FIRST:COUNT[,FIRST:COUNT]: each row of ours reports, per window, the kernels (on the CPU:
     operators) of COUNT of its steps from step FIRST, what those steps held and their wall time; a window past a
@@ -321,6 +331,7 @@ def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tm
             assert 0 < w["works"] <= 2 and w["verifications"] + w["drafts"] <= w["works"], name   # (+async: stall)
             top = w["kernels"]["top"]
             assert len(top) == 4 and top[0]["ms"] >= top[-1]["ms"] > 0 and w["kernels"]["total_ms"] >= top[0]["ms"]
+            assert w["device_span_ms"] is None and w["device_busy_ms"] is None, name   # (a CPU: no device timeline)
     assert rows["plain"]["step_windows"][1]["works"] == 2
     assert rows["plain"]["step_windows"][1]["verifications"] == 0 < rows["+async"]["step_windows"][1]["verifications"]
     out = capsys.readouterr().out

@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-steps", default=None, metavar="FIRST:COUNT[,FIRST:COUNT...]",
                    help="each row of ours: torch.profiler over COUNT of its timed steps from step "
                         "FIRST (each window in turn), the kernels that take the most device time "
-                        "(--profile-kernels, default 25) and the steps' wall time; the row's "
-                        "tok/s then holds the profiler's overhead")
+                        "(--profile-kernels, default 25), the steps' wall time and how busy they "
+                        "kept the device; the row's tok/s then holds the profiler's overhead")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "

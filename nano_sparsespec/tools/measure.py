@@ -2,7 +2,8 @@
 
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
 position it attends to), `PeakMemory`, `CompiledFrames` (torch.compile's compilations per
-function), `kernel_table` and `StepWindow` (the kernels of a run's steps, from torch.profiler),
+function), `kernel_table`, `device_timeline` and `StepWindow` (the kernels of a run's steps and
+how busy they kept the device, from torch.profiler),
 `StepClock` and `tenths` (where in a run its time goes), the device's copy bandwidth and the
 roofline peak, and the machine and git state a result records; `time_split`, where a forward's
 time goes.
@@ -10,9 +11,11 @@ time goes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import gc
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -173,11 +176,38 @@ def kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
                     for ms, e in ranked]}
 
 
+def device_timeline(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """The device's activities [(start, end), ...] -> (span: the first start to the last end,
+    busy: the length of their union); span - busy is what the device sat idle between them."""
+    if not intervals:
+        return 0.0, 0.0
+    ordered = sorted(intervals)
+    busy, (start, end) = 0.0, ordered[0]
+    for a, b in ordered[1:]:
+        if a > end:                       # an idle gap: close the busy stretch
+            busy, start = busy + end - start, a
+        end = max(end, b)
+    return end - ordered[0][0], busy + end - start
+
+
+def profiled_device_timeline(prof) -> tuple[float, float]:
+    """`device_timeline` of torch.profiler's record `prof` in ms: its kernels, copies and fills, as
+    its Chrome trace lists them."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    span, busy = device_timeline([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+    return span / 1e3, busy / 1e3
+
+
 class StepWindow:
     """torch.profiler over `count` steps of a run, from step `first` on: pass `on_step` to
     `LLM.generate`, then `finish()` -> {"first", "steps", "ms_per_step" (wall), "works",
     "verifications" (works that check drafts), "drafts" (means per step), "kernels"
-    (`kernel_table`)}, or None if the run ended before `first`. The window opens after step
+    (`kernel_table`), "device_span_ms" and "device_busy_ms" (`device_timeline` per step; None
+    on a CPU)}, or None if the run ended before `first`. The window opens after step
     first - 1 (or the first launched after it) and closes after the count-th launched step, each at
     a synchronisation: it holds the device work of its steps and the host-queued work (critical
     positions refreshed) of processing as many steps before."""
@@ -214,10 +244,14 @@ class StepWindow:
             self._close()
         n = len(self.seen)
         works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
+        cuda = self.device.type == "cuda"
+        span, busy = profiled_device_timeline(self.prof) if cuda else (None, None)
         return {"first": self.seen[0][0], "steps": n,
                 "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
                 "verifications": verifications, "drafts": drafts,
-                "kernels": kernel_table(self.prof, n, self.device.type == "cuda", self.top)}
+                "kernels": kernel_table(self.prof, n, cuda, self.top),
+                "device_span_ms": span and round(span / n, 3),
+                "device_busy_ms": busy and round(busy / n, 3)}
 
 
 def tenths(steps: int) -> list[tuple[int, int]]:

@@ -83,8 +83,11 @@ def rows_markdown(result: dict) -> str:
         lines += ["", f"{r['name']}, steps {w['first']}-{w['first'] + w['steps'] - 1} under "
                       f"torch.profiler: {w['ms_per_step']:.2f} ms per step (wall), "
                       f"{w['works']:.0f} requests per step ({w['verifications']:.1f} verifying, "
-                      f"{w['drafts']:.1f} drafting); {k['total_ms']:.2f} ms of kernels per step, "
-                      f"the most (ms per step, calls per step): {top}"]
+                      f"{w['drafts']:.1f} drafting); {k['total_ms']:.2f} ms of kernels per step"
+                      + (f" (the device busy {w['device_busy_ms']:.2f} of the "
+                         f"{w['device_span_ms']:.2f} ms its work spans a step)"
+                         if w.get("device_span_ms") else "")
+                      + f", the most (ms per step, calls per step): {top}"]
     return "\n".join(lines)
 
 
