@@ -246,12 +246,15 @@ class StepWindow:
         works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
         cuda = self.device.type == "cuda"
         span, busy = profiled_device_timeline(self.prof) if cuda else (None, None)
+
+        def per_step(ms):
+            return None if ms is None else round(ms / n, 3)
+
         return {"first": self.seen[0][0], "steps": n,
                 "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
                 "verifications": verifications, "drafts": drafts,
                 "kernels": kernel_table(self.prof, n, cuda, self.top),
-                "device_span_ms": span and round(span / n, 3),
-                "device_busy_ms": busy and round(busy / n, 3)}
+                "device_span_ms": per_step(span), "device_busy_ms": per_step(busy)}
 
 
 def tenths(steps: int) -> list[tuple[int, int]]:
