@@ -97,7 +97,7 @@ def paged_kernel_shapes(buckets) -> set:
     the batch class `kernels.kernel_batch`, query rows, chunks of the context, scored or not."""
     capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
     return {(kernels.kernel_batch(b.dense_batch), b.dense_queries,
-             kernels.paged_chunks(b.dense_batch, b.dense_blocks, capacity, BLOCK_SIZE)[1], b.scores)
+             kernels.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE)[1], b.scores)
             for b in buckets if b.dense_batch and not b.dense_runs}
 
 

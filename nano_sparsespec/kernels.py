@@ -36,9 +36,8 @@ from .swapped_scores import score_inputs, score_pass
 # longest context the block tables hold needs at most MAX_CHUNKS of them.
 PAGED_CHUNK = 512
 MAX_CHUNKS = 16
-# Dense batches of at most this many requests (a balanced step's verifications) cut their
-# contexts into the most chunks, whatever their length (`paged_chunks`), and the paged kernel sees
-# them padded to a power of two (`kernel_batch`): one compilation serves each such class.
+# Dense batches of at most this many requests (a balanced step's verifications): the paged kernel
+# sees them padded to a power of two (`kernel_batch`): one compilation serves each such class.
 SMALL_BATCH = 128
 # The smallest batch the paged kernel attends (`kernel_batch`): the dense batch of the engine's
 # usual step (`compile_fast_path`), so that the smaller steps of a run's start and tail attend in
@@ -164,22 +163,19 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
     (_, _, mask, _), = d.runs
     capacity = max(ctx.context_capacity // ctx.block_size, d.block_table.shape[1])     # blocks
     chunk, splits = (exact_chunks(capacity, ctx.block_size) if exact_rows else
-                     paged_chunks(*d.block_table.shape, capacity, ctx.block_size))
+                     paged_chunks(d.block_table.shape[1], capacity, ctx.block_size))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits,
                                     full_blocks=not exact_rows)
 
 
-def paged_chunks(batch: int, blocks: int, capacity: int, block_size: int) -> tuple[int, int]:
-    """(blocks per chunk, chunks) for a dense batch of `batch` requests whose block tables hold
-    `blocks` blocks, of at most `capacity`: as many chunks as its longest context needs, rounded
-    up to a power of two, so a few compilations serve a batch class; a batch of at most
-    SMALL_BATCH requests always takes the most chunks, one compilation (its few CTAs leave SMs
-    idle anyway, so the empty chunks cost little)."""
+def paged_chunks(blocks: int, capacity: int, block_size: int) -> tuple[int, int]:
+    """(blocks per chunk, chunks) for a dense batch whose block tables hold `blocks` blocks, of at
+    most `capacity`: as many chunks as its longest context needs, rounded up to a power of two, so
+    a few compilations serve a batch class (a balanced step's verifications too: their outputs
+    are merged chunk by chunk, empty chunks included)."""
     chunk = max(1, PAGED_CHUNK // block_size)
     most = -(-capacity // chunk)
-    if batch <= SMALL_BATCH:
-        return chunk, most
     needed = -(-blocks // chunk)
     return chunk, min(1 << (needed - 1).bit_length(), most)
 

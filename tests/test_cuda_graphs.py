@@ -272,15 +272,12 @@ def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(ti
     assert counts == {"_verify_logits": 1, "sparse_drafts": 1, "_sample_drafts": 1}, compiled.frames
 
 
-def test_small_batches_cut_contexts_into_the_most_chunks():
+def test_contexts_are_cut_into_as_many_chunks_as_the_longest_needs():
     """The paged kernel's chunk count: as many chunks of PAGED_CHUNK positions as the longest context needs, rounded up
-    to a power of two and at most what the longest possible context needs; a batch of at most SMALL_BATCH requests
-    (a balanced step's verifications) always takes the most, so it compiles once whatever its contexts."""
+    to a power of two and at most what the longest possible context needs."""
     chunk = kernels.PAGED_CHUNK // 64                                       # blocks of 64 positions per chunk
-    big, small = kernels.SMALL_BATCH + 1, kernels.SMALL_BATCH
-    assert [kernels.paged_chunks(big, blocks, 129, 64)[1] for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
-        [1, 1, 2, 4, 8, 16, 17]
-    assert {kernels.paged_chunks(small, blocks, 129, 64) for blocks in (1, 9, 129)} == {(chunk, 17)}
+    assert [kernels.paged_chunks(blocks, 129, 64) for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
+        [(chunk, n) for n in (1, 1, 2, 4, 8, 16, 17)]
 
 
 def test_small_batches_attend_in_the_class_of_the_usual_step(monkeypatch):
