@@ -216,12 +216,11 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
     plain decoding on it, with every context cut at the same positions into chunks of PAGED_CHUNK positions (these
     contexts lie in the first) or of one block, merged by their logsumexps. The number of chunks is a power of two
-    (a few compilations cover every context length: the rule for batches of over SMALL_BATCH requests, which is 0
-    here); with exact rows, every step cuts the longest context the block tables hold (33 blocks of 16) into the
-    most chunks, and lists no block full."""
+    (a few compilations cover every context length); with exact rows, every step cuts the longest context the block
+    tables hold (33 blocks of 16) into the most chunks, and lists no block full. Small batches are padded to a power
+    of two with requests that see nothing."""
     monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
     monkeypatch.setattr(kernels, "exact_rows", exact)
-    monkeypatch.setattr(kernels, "SMALL_BATCH", 0)
     calls, splits, full_lists = [], [], []
 
     def counted(out, q, q_index, k_layer, v_layer, block_mask, *scored):
