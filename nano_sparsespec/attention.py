@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import batch_invariant
-from .pillar_attn import pillar_scores
+from . import batch_invariant, lookup
+from .pillar_attn import kept_beside, pillar_scores
 
 
 @dataclass
@@ -315,6 +315,31 @@ def sparse_attention(q, k, v, valid):
     return torch.matmul(probs.to(v.dtype), v).reshape(R, H, D)
 
 
+def lookup_draft_columns(seen: torch.Tensor, selection: torch.Tensor, rows: torch.Tensor,
+                         selection_len: torch.Tensor, context_tokens: torch.Tensor,
+                         tokens: torch.Tensor, verified: torch.Tensor, prev_tokens: torch.Tensor,
+                         matches: int, positions: int) -> tuple[torch.Tensor, ...]:
+    """The columns of its draft-buffer row a pillar-lookup draft attends to, and the positions its
+    input token finds (`lookup.lookup_positions`), whose K/V the runner copies to columns
+    selection_len + j: the window's columns, the lookups found, and the critical positions kept
+    beside them (`pillar_attn.kept_beside`: the budget stays).
+
+    seen: [Bs, N] bool, the columns of its critical positions and window; selection: [R + 1, L,
+    n_kv, S] each buffer row's ranked critical positions (the first selection_len [Bs] of the
+    drafts' rows [Bs]); context_tokens: [R + 1, Lc] (read below verified [Bs]); tokens,
+    prev_tokens: [Bs] as `lookup_positions`; positions: a context's capacity
+    -> found_at, found_valid [Bs, M], seen [Bs, L, n_kv, N] bool."""
+    found_at, found_valid = lookup.lookup_positions(context_tokens[rows], tokens, verified,
+                                                    matches, prev_tokens)
+    keep = kept_beside(selection[rows], selection_len, found_at, found_valid, positions)
+    N, M = seen.shape[1], found_at.shape[1]
+    column = torch.arange(N, device=seen.device)                                # [N]
+    lookup_column = selection_len[:, None] + torch.arange(M, device=seen.device)  # [Bs, M]
+    found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)  # [Bs, N]
+    beyond = (seen & (column >= selection_len[:, None])) | found                # [Bs, N]
+    return found_at, found_valid, beyond[:, None, None, :] | F.pad(keep, (0, N - keep.shape[-1]))
+
+
 def prepare(ctx: AttentionContext, group: int) -> None:
     """Once per forward, before the layers (the fast path's paged kernel builds its block mask
     here)."""
@@ -323,5 +348,5 @@ def prepare(ctx: AttentionContext, group: int) -> None:
 
 
 EAGER_KERNELS = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_drafts,
-                 "paged": None, "prepare": None}
+                 "lookup": lookup_draft_columns, "paged": None, "prepare": None}
 _kernels = dict(EAGER_KERNELS)   # what `attend` calls; kernels.py swaps in the fast path's

@@ -5,7 +5,8 @@ Same math as the eager path (attention.py), switched on from outside (`LLM(compi
 model's elementwise table and the verifier's sampling table.
 
 Owns
-  * `compile_kernels`: compiled K/V write, PillarAttn score pass and draft branch; with `paged`
+  * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch and pillar-lookup's
+    draft columns (one fused pass over every draft's critical positions); with `paged`
     (a GPU with CUDA graphs) dense decoding and verification read the paged pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
@@ -87,8 +88,8 @@ def use_project_compile_cache() -> None:
 
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
-    """Swap torch.compile'd versions of the K/V write, the score pass and the draft branch
-    (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
+    """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch and
+    pillar-lookup's draft columns (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
     dense path: its attention for static shapes (as flex_attention's decoding kernel wants: one
     compilation per batch class, query rows and chunk count), the swapped score pass and its
     inputs for a dynamic batch and context (padded steps have at least two requests: torch
@@ -101,6 +102,8 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     kernels["sparse"] = verifier.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
+    kernels["lookup"] = verifier.sizes_apart(torch.compile(attention.lookup_draft_columns,
+                                                           dynamic=True))
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch

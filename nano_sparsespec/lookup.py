@@ -9,8 +9,8 @@ lowest-ranked critical positions: the positions a draft attends to change, their
 budget) does not.
 
 Owns `lookup_positions` (the positions a draft's token finds) and `merge_lookup` (the merged
-list, as the drafts see it); `kept_beside_lookups` (which critical positions stay beside them) is
-`pillar_attn.kept_beside`, shared with `keep_first`.
+list, as the drafts see it); which critical positions stay beside them is `pillar_attn.kept_beside`,
+shared with `keep_first`; the engine's drafts find theirs through `attention.lookup_draft_columns`.
 Must not know about scheduling or the draft buffers' layout (runner.py copies the K/V).
 """
 from __future__ import annotations
@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# which critical positions a draft keeps beside its lookups: the budget stays
-from .pillar_attn import kept_beside as kept_beside_lookups  # noqa: F401  (runner.py uses it)
 from .pillar_attn import merge_ranked
 
 
@@ -59,7 +57,7 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
 def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
                  lookup_valid: torch.Tensor, positions: int) -> torch.Tensor:
     """The positions a pillar-lookup draft attends to besides its window, as one list (the
-    engine's drafts attend to the same set from their draft buffers: `kept_beside_lookups`'
+    engine's drafts attend to the same set from their draft buffers: `kept_beside`'s
     columns, then the lookups' own): the kept critical positions in rank order, then the valid
     lookups; arguments and result as `pillar_attn.merge_ranked`."""
     return merge_ranked(selection, selection_len, lookup, lookup_valid, positions,

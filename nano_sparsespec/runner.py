@@ -68,7 +68,7 @@ class ModelRunner:
                                            self.graphs.width_step)
         self.step_lists = StepLists(spec, cache, rows)      # the host side of each step
         self.selection_len = self.step_lists.selection_len  # [rows] critical positions per row
-        # pillar-lookup: each row's critical positions in rank order (`kept_beside_lookups`)
+        # pillar-lookup: each row's critical positions in rank order (`pillar_attn.kept_beside`)
         self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
         width = self.selection_room if self.lookups else 0          # [rows + 1, L, n_kv, width]
         self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
@@ -319,28 +319,24 @@ class ModelRunner:
         N = round_up(shape.selection_width + M + shape.window, 8)   # 8-aligned (bucket)
         column = torch.arange(N, device=self.device)                               # [N]
         first_window = (n_sel + M)[:, None]                                         # [Bs, 1]
-        seen = ((column < n_sel[:, None])
+        seen = ((column < n_sel[:, None])                                           # [Bs, N]
                 | ((column >= first_window) & (column < first_window + window[:, None])))
-        seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)                # [Bs, L, n_kv, N]
         if self.spec.method == "pillar-lookup":
             # positions found from the input token replace the lowest-ranked critical ones
             committed = self.context_tokens[rows, dev["prev_committed"]]
             drafted = self.draft_tokens[rows, dev["prev_drafted"] + (shift - 1).clamp(min=0)]
             prev = torch.where((dev["prev_in_context"] != 0) & (shift == 0), committed, drafted)
-            found_at, found_valid = lookup.lookup_positions(                        # [Bs, M]
-                self.context_tokens[rows, :shape.lookup_context],
-                input_ids[dev["sparse_first_row"]], dev["sparse_verified"], self.spec.num_lookups,
-                prev)
-            keep = lookup.kept_beside_lookups(self.selection[rows, :, :, :shape.selection_width],
-                                              n_sel, found_at, found_valid,  # [Bs, L, n_kv, Nsel]
-                                              self.model.config.max_position_embeddings)
-            lookup_column = n_sel[:, None] + torch.arange(M, device=self.device)   # [Bs, M]
+            # found_at, found_valid: [Bs, M]; seen: [Bs, L, n_kv, N]
+            found_at, found_valid, seen = attention._kernels["lookup"](
+                seen, self.selection[:, :, :, :shape.selection_width], rows, n_sel,
+                self.context_tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
+                dev["sparse_verified"], prev, self.spec.num_lookups,
+                self.model.config.max_position_embeddings)
             self._fill_draft_buffers(self.block_tables[rows],
                                      found_at[:, None, None, :].expand(-1, L, n_kv, -1), rows,
-                                     lookup_column)
-            found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)
-            seen = ((seen & (column >= n_sel[:, None])[:, None, None, :])     # found: [Bs, N]
-                    | F.pad(keep, (0, N - keep.shape[-1])) | found[:, None, None, :])
+                                     n_sel[:, None] + torch.arange(M, device=self.device))
+        else:
+            seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)            # [Bs, L, n_kv, N]
         read_row, valid = None, seen.transpose(0, 1)  # gathered: [L, Bs, n_kv, N], each draft's
         if not gathered(shape.sparse_batch, R + 1):           # else the rows read in place
             read_row = rows.clamp(max=R)                      # padding drafts: row R

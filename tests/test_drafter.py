@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run
-from nano_sparsespec import lookup
+from nano_sparsespec import attention
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.lookup import lookup_positions, merge_lookup
 from nano_sparsespec.pillar_attn import select_pillar
@@ -167,7 +167,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     A step of few drafts attends to copies of their rows (`attention.gathered`): its `valid` is then per draft."""
     checked, drafting, lookups, selections, gathered = [], [], [], {}, set()
     sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
-    set_selections, kept_beside_lookups = ModelRunner.set_selections, lookup.kept_beside_lookups
+    set_selections = ModelRunner.set_selections
 
     def noted_selections(self, seqs, positions, widths):                   # row -> [L, n_kv, n]
         selections.update({seq.row: positions[b, ..., :w] for b, (seq, w) in enumerate(zip(seqs, widths))})
@@ -177,9 +177,10 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
         drafting[:] = [(w.seq, w.seq.num_drafts) for w, _ in sparse]
         return sparse_lists(self, sparse)
 
-    def noted_kept(*args):
-        lookups[:] = args
-        return kept_beside_lookups(*args)
+    def noted_lookup(seen, selection, rows, n_sel, *rest):                # merge_lookup's arguments
+        found_at, found_valid, columns = attention.lookup_draft_columns(seen, selection, rows, n_sel, *rest)
+        lookups[:] = (selection[rows], n_sel, found_at, found_valid, rest[-1])
+        return found_at, found_valid, columns
 
     def checked_batch(self, shape, dev, *inputs):
         batch = sparse_batch(self, shape, dev, *inputs)
@@ -206,7 +207,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     monkeypatch.setattr(ModelRunner, "set_selections", noted_selections)
     monkeypatch.setattr(StepLists, "_sparse_lists", noted_lists)
     monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
-    monkeypatch.setattr(lookup, "kept_beside_lookups", noted_kept)
+    monkeypatch.setitem(attention._kernels, "lookup", noted_lookup)
     _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1)
     assert [o.token_ids for o in outs] == plain_greedy
     assert checked and all(checked)
