@@ -741,7 +741,7 @@ def _compile_available():
         return False
 
 
-# ~25 s on a 2-core CPU with a cold inductor cache, ~9 s warm (under the 60 s line for a `slow` mark)
+# ~25-35 s on a 2-core CPU with a cold inductor cache, ~13 s warm (under the 60 s line for a `slow` mark)
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
 def test_compiled_kernels_match_eager():
     q_lens, ctx_lens = [3, 2], [7, 5]
@@ -768,16 +768,26 @@ def test_compiled_kernels_match_eager():
     pool_k, pool_v = torch.zeros(2, 4, 16, N_KV, D).unbind(0)
     qkv, slots = torch.randn(5, H + 2 * N_KV, D, generator=g), torch.tensor([3, 9, 0, 15, 7])
     k_new, v_new = qkv[:, H:H + N_KV], qkv[:, H + N_KV:]
+    # pillar-lookup's draft columns: drafts in buffer rows 2, 0, 3 of 4, each row 6 ranked positions per (layer, KV
+    # head) of a 12-position context over 5 tokens (so lookups find some), 16 columns
+    selection = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(4 * 2 * N_KV)]).view(4, 2, N_KV, 6)
+    lookup_args = (torch.rand(3, 16, generator=g) < 0.5, selection, torch.tensor([2, 0, 3]), torch.tensor([6, 4, 5]),
+                   torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]), torch.tensor([12, 9, 11]),
+                   torch.tensor([0, 4, 2]), 2, 12)
+    eager_lookup = attention.lookup_draft_columns(*lookup_args)
 
     kernels.compile_kernels()
     try:
         assert all(attention._kernels[name] is not eager for name, eager in
-                   [("store", attention.store_kv), ("scores", pillar_scores), ("sparse", attention.sparse_drafts)])
+                   [("store", attention.store_kv), ("scores", pillar_scores), ("sparse", attention.sparse_drafts),
+                    ("lookup", attention.lookup_draft_columns)])
         scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
         sparse_out = sparse_branch(attention._kernels["sparse"])
         attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
+        lookup = attention._kernels["lookup"](*lookup_args)
     finally:
         kernels.use_eager_kernels()
+    assert all(torch.equal(a, b) for a, b in zip(lookup, eager_lookup)) and eager_lookup[1].any()
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out[0], eager_sparse[0], atol=1e-4)
     assert torch.equal(sparse_out[1], eager_sparse[1]) and torch.equal(sparse_out[2], eager_sparse[2])
@@ -788,6 +798,7 @@ def test_compiled_kernels_match_eager():
     assert not pool_k[~written].any() and not pool_v[~written].any()          # no other slot or layer touched
     assert attention._kernels["scores"] is pillar_scores and attention._kernels["sparse"] is attention.sparse_drafts
     assert attention._kernels["store"] is attention.store_kv
+    assert attention._kernels["lookup"] is attention.lookup_draft_columns
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
