@@ -89,11 +89,11 @@ def use_project_compile_cache() -> None:
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch and
-    pillar-lookup's draft columns (dynamic shapes; float tolerance) into attention.py's kernel table, and with `paged` the paged
-    dense path: its attention for static shapes (as flex_attention's decoding kernel wants: one
-    compilation per batch class, query rows and chunk count), the swapped score pass and its
-    inputs for a dynamic batch and context (padded steps have at least two requests: torch
-    specialises sizes 0 and 1).
+    pillar-lookup's draft columns (dynamic shapes; float tolerance) into attention.py's kernel
+    table, and with `paged` the paged dense path: its attention for static shapes (as
+    flex_attention's decoding kernel wants: one compilation per batch class, query rows and
+    chunk count), the swapped score pass and its inputs for a dynamic batch and context (padded
+    steps have at least two requests: torch specialises sizes 0 and 1).
     With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
     other step (`exact_rows`): a verification row gets its decode row's bits."""
     global exact_rows

@@ -18,9 +18,8 @@ Must not decide who runs (the scheduler does) or re-implement attention or sampl
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from . import attention, lookup, verifier
+from . import attention, verifier
 from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
 from .cuda_graphs import StepGraphs, round_up
