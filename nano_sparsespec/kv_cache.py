@@ -108,6 +108,12 @@ class KVCache:
         """Reserve slots for the next `n_tokens` positions of `seq_id` (attention writes the KV)."""
         self.pool.grow(seq_id, n_tokens)
 
+    def reserve(self, seq_id: int, end: int) -> None:
+        """Reserve slots up to position `end` (exclusive) of `seq_id`, if it holds fewer."""
+        extra = end - self.pool.lengths.get(seq_id, 0)
+        if extra > 0:
+            self.pool.grow(seq_id, extra)
+
     def rollback(self, seq_id: int, n_tokens: int) -> None:
         """Forget the last `n_tokens` positions of `seq_id` (rejected drafts)."""
         self.pool.shrink(seq_id, n_tokens)

@@ -234,14 +234,17 @@ class Scheduler:
             return "stall"
         if seq.decodes_plainly or (step - seq.verify_slot) % self.period == 0:
             return "verify"
-        drafts_worth_making = min(self.spec.drafts_per_cycle, self.draft_limit(seq))
-        return "draft" if seq.num_drafts < drafts_worth_making else "wait"
+        # (k drafts made: no need to ask draft_limit, which most requests never reach)
+        if seq.num_drafts >= self.spec.drafts_per_cycle:
+            return "wait"
+        return "draft" if seq.num_drafts < self.draft_limit(seq) else "wait"
 
     def draft_limit(self, seq: Sequence, committing: int = 0) -> int:
         """Drafts worth making this cycle: at most k, no more than the tokens and context left
         (once `committing` more tokens are committed)."""
-        remaining = seq.params.max_new_tokens - seq.num_output - committing
-        room = self.max_len - len(seq.tokens) - committing - 1
+        held = len(seq.tokens) + committing
+        remaining = seq.params.max_new_tokens - (held - len(seq.prompt_ids))
+        room = self.max_len - held - 1
         return max(0, min(self.spec.stride, remaining - 1, room))
 
     # --- one step ---------------------------------------------------------------------------------
@@ -265,17 +268,19 @@ class Scheduler:
                 raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold "
                                    f"the step even after offloading every other request")
         for w in works:  # bookkeeping that does not depend on this step's results
-            new_tokens = w.end - self.cache.length(w.seq.seq_id)
-            if new_tokens > 0:
-                self.cache.append(w.seq.seq_id, new_tokens)
-            if w.kind == "prefill":
-                w.seq.num_prefilled += w.num_tokens
-            elif w.ahead:                # counted once its verification's result is in
-                w.seq.drafted_ahead = True
-            elif w.kind == "draft":
-                w.seq.num_drafts += 1
-            if w.kind == "verify" or w.final_prefill:
-                w.seq.results_in_flight += 1
+            seq = w.seq
+            self.cache.reserve(seq.seq_id, w.end)
+            if w.kind == "draft":
+                if w.ahead:              # counted once its verification's result is in
+                    seq.drafted_ahead = True
+                else:
+                    seq.num_drafts += 1
+            elif w.kind == "verify":
+                seq.results_in_flight += 1
+            else:
+                seq.num_prefilled += w.num_tokens
+                if w.final_prefill:
+                    seq.results_in_flight += 1
         return works
 
     def _enter_plain_tail(self) -> None:
@@ -292,6 +297,7 @@ class Scheduler:
 
     def _plan(self, step: int) -> list[Work]:
         works, prefill_budget = [], self.spec.prefill_chunk
+        ngram = self.spec.method == "ngram"
         for seq in self.running:
             if seq.status == Status.PREFILL:
                 if prefill_budget == 0 or seq.num_prefilled == seq.num_prompt:
@@ -300,16 +306,16 @@ class Scheduler:
                 prefill_budget -= n
                 works.append(Work(seq, "prefill", seq.num_prefilled, n))
                 continue
-            action = self.action(seq, step)
-            if action == "verify":
-                n_drafts = len(seq.ngram_drafts) if self.spec.method == "ngram" else seq.num_drafts
-                works.append(Work(seq, "verify", seq.num_verified, n_drafts + 1))
+            action, num_verified = self.action(seq, step), len(seq.tokens) - 1
+            if action == "draft":        # most works: first
+                works.append(Work(seq, "draft", num_verified + seq.num_drafts, 1))
+            elif action == "verify":
+                n_drafts = len(seq.ngram_drafts) if ngram else seq.num_drafts
+                works.append(Work(seq, "verify", num_verified, n_drafts + 1))
             elif action == "ahead":      # the position after the one whose token is in flight
-                works.append(Work(seq, "verify", seq.num_verified + 1, 1))
-            elif action == "draft":
-                works.append(Work(seq, "draft", seq.num_verified + seq.num_drafts, 1))
+                works.append(Work(seq, "verify", num_verified + 1, 1))
             elif action == "draft ahead":
-                works.append(Work(seq, "draft", seq.num_verified + 1, 1, ahead=True))
+                works.append(Work(seq, "draft", num_verified + 1, 1, ahead=True))
         return works
 
     def _fits(self, works: list[Work]) -> bool:
