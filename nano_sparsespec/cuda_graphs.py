@@ -53,6 +53,22 @@ def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+# The drafts' attention reads N columns of each draft-buffer row in two batched matmuls. On the
+# H200, cuBLAS's kernels for them take about a third longer when N % 128 lies in [8, 64] than at
+# N % 128 = 72 (the embedded model's heads; BENCHMARKS.md), so a bucket's window takes the columns
+# to reach that width; the draft buffers keep room for them (`DRAFT_WIDTH_PADDING`).
+SLOW_DRAFT_WIDTHS = (8, 64)     # N % 128, both ends included
+DRAFT_WIDTH_PADDING = 64
+
+
+def fast_draft_width(columns: int) -> int:
+    """The width the drafts' attention reads for `columns` (a multiple of 8): itself, or past
+    `SLOW_DRAFT_WIDTHS` (at most `DRAFT_WIDTH_PADDING` more)."""
+    low, high = SLOW_DRAFT_WIDTHS
+    offset = columns % 128
+    return columns + high + 8 - offset if low <= offset <= high else columns
+
+
 def batch_bucket(n: int) -> int:
     """2, 4, 8, multiples of 8 up to 64, then four sizes per doubling (80, 96, 112, 128, 160,
     ...): at most 25% padding, and a batch that shrinks from 1,024 to 0 meets 26 sizes. A batch
@@ -176,8 +192,10 @@ class StepGraphs:
 
     def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
                  stride: int = 1, budget: Callable[[int], int] | None = None,
-                 context_step: int = 256, width_step: int = 32, speculates: bool = True):
+                 context_step: int = 256, width_step: int = 32, speculates: bool = True,
+                 lookups: int = 0):
         self.compute, self.state, self.rows, self.stride = compute, state, rows, stride
+        self.lookups = lookups               # draft-buffer columns between selection and window
         self.speculates = speculates
         self.block_size, self.budget = block_size, budget
         # dense context: whole blocks
@@ -241,7 +259,8 @@ class StepGraphs:
         its drafts' rows where they are under a third of them (`attention.gathered`),
         selection_width + lookups + window (rounded to 8) columns of each, which the runner rounds
         to a multiple of 8: each row of the sparse kernel's logits and probabilities then starts
-        16-byte aligned, which keeps cuBLAS off its slow fallback kernels."""
+        16-byte aligned, which keeps cuBLAS off its slow fallback kernels. The window (at least
+        k) also takes the columns that bring that width to a fast one (`fast_draft_width`)."""
         s, k = shape, self.stride
         dense_batch, sparse_batch = batch_bucket(s.dense_batch), batch_bucket(s.sparse_batch)
         # one context length for the dense batch and the lookups
@@ -258,12 +277,17 @@ class StepGraphs:
         elif queries > 1 or (s.checks and self.speculates):   # verifications: k + 1 rows,
             queries = max(queries, k + 1)                        # whatever they check
         check_drafts = max(s.check_drafts, k) if s.checks and self.speculates else s.check_drafts
+        selection = round_up(selection, self.width_step)
+        window = 0
+        if s.window:   # at least k, and reaching a fast width (`fast_draft_width`)
+            window = round_up(max(s.window, k), 8)
+            columns = round_up(selection + self.lookups + window, 8)
+            window = fast_draft_width(columns) - selection - self.lookups
         return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs,
                        sparse_batch=sparse_batch,
                        sparse_rows=self.rows if s.sparse_rows else 0,
-                       selection_width=round_up(selection, self.width_step),
-                       window=round_up(max(s.window, k), 8) if s.window else 0,
+                       selection_width=selection, window=window,
                        lookup_context=context if s.lookup_context else 0,
                        drafts=batch_bucket(s.drafts), checks=batch_bucket(s.checks),
                        check_drafts=check_drafts)

@@ -22,7 +22,7 @@ import torch
 from . import attention, verifier
 from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
-from .cuda_graphs import StepGraphs, round_up
+from .cuda_graphs import DRAFT_WIDTH_PADDING, StepGraphs, round_up
 from .device import Packed, to_device
 from .kv_cache import KVCache
 from .model import CausalLM
@@ -46,9 +46,13 @@ class ModelRunner:
         self.draft_tokens = torch.zeros(rows + 1, k + 1, **long)              # [rows + 1, k + 1]
         # each row's pending position as its latest verification left it (drafts ahead read it)
         self.pending_position = torch.zeros(rows + 1, **long)                 # [rows + 1]
+        # pillar-lookup: each draft-buffer row's columns for the lookups' K/V (twice the matches:
+        # each found position and the one after it)
+        self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
         self.graphs = (StepGraphs(self._compute, cache.block_size,
                                   [self.draft_tokens, self.pending_position], rows, k,
-                                  spec.budget, speculates=spec.method != "plain")
+                                  spec.budget, speculates=spec.method != "plain",
+                                  lookups=self.lookups)
                        if cuda_graphs else None)
         self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
@@ -68,7 +72,6 @@ class ModelRunner:
         self.step_lists = StepLists(spec, cache, rows)      # the host side of each step
         self.selection_len = self.step_lists.selection_len  # [rows] critical positions per row
         # pillar-lookup: each row's critical positions in rank order (`pillar_attn.kept_beside`)
-        self.lookups = 2 * spec.num_lookups if spec.method == "pillar-lookup" else 0
         width = self.selection_room if self.lookups else 0          # [rows + 1, L, n_kv, width]
         self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
         # Draft buffers, per row: K/V of its critical positions, its lookups, then its drafts'
@@ -92,8 +95,11 @@ class ModelRunner:
 
     def _widen_draft_buffers(self, selection_width: int) -> None:
         """Make the draft buffers wide enough for `selection_width` positions (as `_widen`)."""
-        # (a draft ahead's window: up to k + 2 positions)
-        columns = round_up(selection_width + self.lookups + round_up(self.spec.stride + 2, 8), 8)
+        # (a draft ahead's window: up to k + 2 positions; a bucket's, up to a fast width)
+        window = round_up(self.spec.stride + 2, 8)
+        if self.graphs is not None:
+            window += DRAFT_WIDTH_PADDING
+        columns = round_up(selection_width + self.lookups + window, 8)
         old = (self.draft_k, self.draft_v)
         had = 0 if old[0] is None else old[0].shape[-2]
         if columns <= had:

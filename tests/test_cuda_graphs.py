@@ -17,7 +17,7 @@ import torch
 from conftest import generate
 from nano_sparsespec import LLM, SamplingParams, attention, kernels, verifier
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.cuda_graphs import StepGraphs, batch_bucket, round_up
+from nano_sparsespec.cuda_graphs import DRAFT_WIDTH_PADDING, StepGraphs, batch_bucket, fast_draft_width, round_up
 from nano_sparsespec.runner import ModelRunner
 from nano_sparsespec.step_lists import StepLists
 
@@ -30,6 +30,14 @@ def test_bucket_sizes():
     assert len({batch_bucket(n) for n in range(1, 1025)}) == 26
     assert all(n <= batch_bucket(n) <= max(n + 7, 1.25 * n) for n in range(1, 1025))
     assert [round_up(n, 256) for n in (1, 256, 257)] == [256, 256, 512]
+
+
+def test_fast_draft_widths():
+    """The drafts' attention widths that cuBLAS handles slowly (N % 128 in [8, 64]) move to N % 128 = 72; others
+    stay."""
+    assert [fast_draft_width(n) for n in (128, 136, 160, 192, 200, 256, 264, 320, 328, 384, 392)] == \
+        [128, 200, 200, 200, 200, 256, 328, 328, 328, 384, 456]
+    assert all(n <= fast_draft_width(n) <= n + DRAFT_WIDTH_PADDING for n in range(8, 4096, 8))
 
 
 def test_steps_of_a_context_share_a_bucket():
@@ -50,7 +58,8 @@ def test_steps_of_a_context_share_a_bucket():
     buckets = {graphs.bucket(s) for s in shapes[:2] + [shape(1, 8, 150, 3000 // 16, 2990)]}
     assert len(buckets) == 1
     bucket, = buckets
-    assert (bucket.dense_queries, bucket.check_drafts, bucket.window) == (k + 1, k, 8)
+    # a window of k, widened so that the drafts read 200 columns, not 168 (`fast_draft_width`)
+    assert (bucket.dense_queries, bucket.check_drafts, bucket.window) == (k + 1, k, 40)
     assert (bucket.dense_blocks * 16, bucket.lookup_context, bucket.selection_width) == (3072, 3072, 160)
     assert graphs.bucket(shapes[2]).dense_blocks == bucket.dense_blocks
 
@@ -153,7 +162,7 @@ def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypat
 def test_drafts_read_aligned_widths(tiny_qwen3, prompts, monkeypatch, cuda_graphs):
     """A draft step reads a multiple of 8 columns of the draft buffers (rows of the sparse kernel's logits start
     16-byte aligned; unaligned, cuBLAS fell back to slow kernels on the H200), eager or padded, whatever its
-    selections, lookups (2 columns here) and windows."""
+    selections, lookups (2 columns here) and windows; padded, a fast width (`fast_draft_width`)."""
     widths = []
     sparse_batch = ModelRunner._sparse_batch
 
@@ -165,7 +174,10 @@ def test_drafts_read_aligned_widths(tiny_qwen3, prompts, monkeypatch, cuda_graph
     monkeypatch.setattr(ModelRunner, "_sparse_batch", noted)
     generate(tiny_qwen3[0], prompts[:3], SamplingParams(max_new_tokens=24, ignore_eos=True), cuda_graphs=cuda_graphs,
              method="pillar-lookup", lookup_matches=1, stride=4, min_budget=9, budget_ratio=0.1, max_batch=3)
-    assert any(wanted % 8 for wanted, _ in widths), widths                  # some steps want an unaligned width
+    if cuda_graphs:   # a bucket's window takes it to a fast width, an aligned one
+        assert all(fast_draft_width(width) == width for _, width in widths), widths
+    else:
+        assert any(wanted % 8 for wanted, _ in widths), widths              # some steps want an unaligned width
     assert all(width % 8 == 0 and wanted <= width < wanted + 8 for wanted, width in widths), widths
 
 
