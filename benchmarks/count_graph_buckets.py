@@ -1,16 +1,19 @@
 """How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math), and
-where its slot-steps go when every request accepts alike.
+where its slot-steps go when every request accepts alike, or as differently as a measured row's requests.
 
 The engine, scheduler and bucketing run as they do on the GPU; the device step is replaced by one that
-accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does) and selects the budget's
-first positions. Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a
-request drafts or verifies (busy), sits out a step while its verification is in flight (stall), waits
-for its verify slot or its prefill, or the slot holds no request (empty).
+accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does), or with `spread` with a
+probability of each request's own, drawn so that its mean accepted count follows the quantiles of the H200
+pillar-lookup row's requests (`SPREAD`, linear between them), and selects the budget's first positions.
+Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a request drafts or
+verifies (busy), sits out a step while its verification is in flight (stall), waits for its verify slot or
+its prefill, or the slot holds no request (empty).
 
-    python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY]]
-    python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced
+    python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY [uniform|spread]]]
+    python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced spread
 """
 import random
+import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -22,19 +25,49 @@ from nano_sparsespec import LLM, SamplingParams, async_loop, kernels
 from nano_sparsespec.runner import ModelRunner
 
 
+# (quantile, mean accepted of 8) of the requests of the H200 pillar-lookup row, 1,024 x 4,096
+# (`results/h200-1024x4096-lookup.json`: accepted_by_request's min, p10, median, p90, max)
+SPREAD = ((0.0, 2.51), (0.1, 6.47), (0.5, 6.98), (0.9, 7.46), (1.0, 7.94))
+
+
+def mean_accepted(p: float, k: int = 8) -> float:
+    """Mean accepted drafts of k when each is accepted with probability p (until the first rejection)."""
+    return sum(p ** j for j in range(1, k + 1))
+
+
+def drawn_acceptance(rng: random.Random) -> float:
+    """A per-draft acceptance probability whose mean accepted count is drawn from `SPREAD`."""
+    u = rng.random()
+    (u0, a0), (u1, a1) = next((lo, hi) for lo, hi in zip(SPREAD, SPREAD[1:]) if u <= hi[0])
+    target = a0 + (a1 - a0) * (u - u0) / (u1 - u0)
+    low, high = 0.0, 1.0
+    for _ in range(40):                                       # bisection: mean_accepted grows with p
+        middle = (low + high) / 2
+        if mean_accepted(middle) < target:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 class BucketCounter(ModelRunner):
     """A runner whose device step only notes its bucket and makes up plausible results."""
     rng = random.Random(0)
     recorded = set()
+    acceptance: dict = {}          # seq_id -> its per-draft acceptance probability (spread)
+    spread = False
 
     def _run(self, plan, shape, static):
         self.graphs.steps[shape] = None                       # "recorded"
         self.recorded.add(shape)
         width = max(plan.num_drafts, default=0)
         rows = []
-        for drafts in plan.num_drafts:
+        for (work, _), drafts in zip(plan.checks, plan.num_drafts):
+            p = 0.97
+            if self.spread:
+                p = self.acceptance.setdefault(work.seq.seq_id, drawn_acceptance(self.rng))
             accepted = 0
-            while accepted < drafts and self.rng.random() < 0.97:
+            while accepted < drafts and self.rng.random() < p:
                 accepted += 1
             rows.append([accepted, 7, int(accepted == drafts)] + [7] * width)
         packed = torch.tensor(rows, dtype=torch.long).view(len(rows), 3 + width)
@@ -60,6 +93,7 @@ def main() -> None:
     batch, requests, tokens = (int(x) for x in sys.argv[1:4])
     method = sys.argv[4] if len(sys.argv) > 4 else "pillar-lookup"
     policy = sys.argv[5] if len(sys.argv) > 5 else "balanced"
+    BucketCounter.spread = len(sys.argv) > 6 and sys.argv[6] == "spread"
     path = tempfile.mkdtemp()
     # a one-layer model with the embedded model's context length: buckets depend on nothing else of it
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -87,9 +121,10 @@ def main() -> None:
           f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
           f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel and "
           f"{len(score_pass_shapes(BucketCounter.recorded))} of its score pass (a compilation each)")
-    total = batch * llm.last_stats.steps
+    total, accepted = batch * llm.last_stats.steps, llm.last_stats.accepted_counts
     print("slot-steps: " + ", ".join(f"{kind} {slot_steps[kind] / total:.1%}"
-                                     for kind in ("busy", "stall", "wait", "empty")))
+                                     for kind in ("busy", "stall", "wait", "empty"))
+          + (f"; mean accepted {statistics.mean(accepted):.2f}" if accepted else ""))
 
 
 def paged_kernel_shapes(buckets) -> set:
