@@ -52,6 +52,17 @@ def test_append_across_block_boundaries():
     assert cache.length(42) == 0                                # unknown request: nothing cached
 
 
+def test_reserve_covers_positions_up_to_an_end_and_never_shrinks():
+    cache = make_cache(num_blocks=3)
+    cache.reserve(0, 5)                                         # positions 0..4: 2 blocks
+    assert cache.length(0) == 5 and len(cache.pool.tables[0]) == 2
+    cache.reserve(0, 3)                                         # already held: nothing changes
+    assert cache.length(0) == 5 and cache.free_blocks() == 1
+    with pytest.raises(KVCacheFull, match="request 0 needs 2 more block"):
+        cache.reserve(0, 4 * BS)
+    assert cache.length(0) == 5 and cache.free_blocks() == 1   # a failed reserve takes nothing
+
+
 def test_block_tables_and_slots_of_interleaved_requests():
     cache = make_cache()
     cache.append(0, 5)          # request 0 takes blocks 0, 1
