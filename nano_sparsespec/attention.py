@@ -178,30 +178,18 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
 
     k_cache, v_cache: [L, slots, n_kv, D]; draft_k, draft_v: [L, rows + 1, n_kv, C, D];
     block_table: [B, blocks] of the requests in `rows` [B]; positions: [B, L, n_kv, n] per layer
-    and KV head; columns: [B, n] where they go in each (layer, KV head) of the row.
-    Rows of D move as integer words (`as_words`), read through one flat index of words (`take`)
-    and written by row (`index_copy_`): one read and one write per pool, whatever the number of
-    layers and heads. On the GPU an element-wise read by word index gathers scattered rows of a
-    few words faster than `index_select` by row."""
-    L, pool_slots, n_kv, D = k_cache.shape
-    C = draft_k.shape[-2]
-    # [B, L, n_kv, n]
-    slots = block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions) \
-        * block_size + positions % block_size
-    heads = torch.arange(n_kv, device=positions.device)[:, None]                   # [n_kv, 1]
-    layers = torch.arange(L, device=positions.device)[:, None]                     # [L, 1]
-    # rows of the caches viewed [L * slots * n_kv, D] and of the buffers
-    # [L * (rows + 1) * n_kv * C, D]
-    source = layers * pool_slots * n_kv + (slots * n_kv + heads).transpose(0, 1).reshape(L, -1)
-    # [L, B*n_kv*n]
-    target = layers * (draft_k[0].numel() // D) \
-        + ((rows[:, None, None] * n_kv + heads) * C + columns[:, None, :]).view(1, -1)
-    words_per_row = as_words(k_cache.view(-1, D)).shape[1]
-    word = torch.arange(words_per_row, device=positions.device)
-    source_words = source.reshape(-1, 1) * words_per_row + word                # [rows, words]
+    and KV head, or [B, 1, 1, n] the same for all; columns: [B, n] where they go in each (layer,
+    KV head) of the row. One indexed assignment per buffer: compiled (kernels.py), both become
+    one kernel that finds a row's slot as it copies it."""
+    L, _, n_kv, _ = k_cache.shape
+    # [B, L or 1, n_kv or 1, n]
+    slots = (block_table.gather(1, (positions // block_size).flatten(1)).view_as(positions)
+             * block_size + positions % block_size)
+    layer = torch.arange(L, device=positions.device).view(1, L, 1, 1)
+    head = torch.arange(n_kv, device=positions.device).view(1, 1, n_kv, 1)
+    row, column = rows.view(-1, 1, 1, 1), columns[:, None, None, :]            # [B, 1, 1, 1|n]
     for cache, buffer in ((k_cache, draft_k), (v_cache, draft_v)):
-        as_words(buffer.view(-1, D)).index_copy_(
-            0, target.flatten(), as_words(cache.view(-1, D)).view(-1).take(source_words))
+        buffer[layer, row, head, column] = cache[layer, slots, head]      # [B, L, n_kv, n, D]
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -212,12 +200,11 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def as_words(table: torch.Tensor) -> torch.Tensor:
-    """A 2-D table with contiguous rows viewed as integers, the widest that tile a row:
-    [rows, width] -> [rows, width * element size / word size]. A copy of rows (`index_select`,
-    `take` by word, `index_copy_`) then moves a quarter as many elements of a bfloat16 row, each
-    four times as wide; on the CPU, integer rows also copy far faster than advanced indexing of
-    floating-point ones."""
-    row_bytes = table.shape[1] * table.element_size()
+    """A table whose rows (its last dim) are contiguous, viewed as integers, the widest that tile
+    a row: [..., width] -> [..., width * element size / word size]. A copy of rows then moves
+    a quarter as many elements of a bfloat16 row, each four times as wide; on the CPU, integer
+    rows also copy far faster than advanced indexing of floating-point ones."""
+    row_bytes = table.shape[-1] * table.element_size()
     word = next(size for size in (8, 4, 2, 1) if row_bytes % size == 0)
     return table.view(_INTEGER_OF_SIZE[table.element_size()]).view(_INTEGER_OF_SIZE[word])
 
@@ -348,5 +335,6 @@ def prepare(ctx: AttentionContext, group: int) -> None:
 
 
 EAGER_KERNELS = {"store": store_kv, "scores": pillar_scores, "sparse": sparse_drafts,
-                 "lookup": lookup_draft_columns, "paged": None, "prepare": None}
+                 "lookup": lookup_draft_columns, "fill": fill_draft_buffers, "paged": None,
+                 "prepare": None}
 _kernels = dict(EAGER_KERNELS)   # what `attend` calls; kernels.py swaps in the fast path's

@@ -5,8 +5,9 @@ Same math as the eager path (attention.py), switched on from outside (`LLM(compi
 model's elementwise table and the verifier's sampling table.
 
 Owns
-  * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch and pillar-lookup's
-    draft columns (one fused pass over every draft's critical positions); with `paged`
+  * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
+    draft columns (one fused pass over every draft's critical positions) and the draft buffers'
+    fill (one copy kernel, its slots computed as it copies); with `paged`
     (a GPU with CUDA graphs) dense decoding and verification read the paged pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, model, verifier
-from .attention import AttentionContext, pack_groups, unpack_groups
+from .attention import AttentionContext, as_words, pack_groups, unpack_groups
 from .pillar_attn import pillar_scores
 from .swapped_scores import score_inputs, score_pass
 
@@ -88,12 +89,12 @@ def use_project_compile_cache() -> None:
 
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
-    """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch and
-    pillar-lookup's draft columns (dynamic shapes; float tolerance) into attention.py's kernel
-    table, and with `paged` the paged dense path: its attention for static shapes (as
-    flex_attention's decoding kernel wants: one compilation per batch class, query rows and
-    chunk count), the swapped score pass and its inputs for a dynamic batch and context (padded
-    steps have at least two requests: torch specialises sizes 0 and 1).
+    """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch,
+    pillar-lookup's draft columns and the draft buffers' fill (dynamic shapes; float tolerance)
+    into attention.py's kernel table, and with `paged` the paged dense path: its attention for
+    static shapes (as flex_attention's decoding kernel wants: one compilation per batch class,
+    query rows and chunk count), the swapped score pass and its inputs for a dynamic batch and
+    context (padded steps have at least two requests: torch specialises sizes 0 and 1).
     With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
     other step (`exact_rows`): a verification row gets its decode row's bits."""
     global exact_rows
@@ -104,6 +105,11 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["sparse"] = verifier.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
     kernels["lookup"] = verifier.sizes_apart(torch.compile(attention.lookup_draft_columns,
                                                            dynamic=True))
+    kernels["fill"] = fill_draft_buffers
+    # fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, block_table, block_size, positions,
+    # rows, columns): batch, table width and positions per row dynamic
+    _fill.append(verifier.sizes_apart(_static_but(attention.fill_draft_buffers,
+                                                  {4: (0, 1), 6: (0, 3), 7: (0,), 8: (0, 1)})))
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch
@@ -138,6 +144,17 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: i
             torch._dynamo.maybe_mark_dynamic(args[small_batch_arg], 0)
         return compiled(*args)
     return run
+
+
+def fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, *lists) -> None:
+    """`attention.fill_draft_buffers`, compiled with the pool's, heads' and buffers' sizes as
+    constants (symbolic ones make each element's index a chain of runtime divisions), on the rows'
+    integer words (`as_words`: a bfloat16 row of 64 moves as 16 words, each element's index math
+    done once per word)."""
+    _fill[-1](*(as_words(x) for x in (k_cache, v_cache, draft_k, draft_v)), *lists)
+
+
+_fill = []      # the compiled `attention.fill_draft_buffers` (`compile_kernels`)
 
 
 def use_eager_kernels() -> None:

@@ -118,7 +118,7 @@ class ModelRunner:
                        widths: list[int]) -> None:
         """Store each request's critical positions, positions[b, :, :, :widths[b]] of
         [B, L, n_kv, n] (`pillar_attn.top_positions`); copy their K/V to its drafts'."""
-        L, n_kv, n = positions.shape[1:]
+        n = positions.shape[-1]
         # room for the longest context's budget: growing budgets do not widen again
         cap = self.model.config.max_position_embeddings
         longest = max(min(cap, s.final_length) for s in seqs)
@@ -142,15 +142,14 @@ class ModelRunner:
         if ahead:   # its draft's K/V (the pending position's) go to the new window's first column
             index = self._dev(ahead)          # (a list as an index would wait for the device)
             pending = self._dev([[seqs[b].num_verified] for b in ahead])[:, None, None, :]
-            self._fill_draft_buffers(block_table[index], pending.expand(-1, L, n_kv, 1),
-                                     rows[index], self._dev([[widths[b] + self.lookups]
-                                                             for b in ahead]))
+            self._fill_draft_buffers(block_table[index], pending, rows[index],
+                                     self._dev([[widths[b] + self.lookups] for b in ahead]))
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
                             rows: torch.Tensor, columns: torch.Tensor) -> None:
         """`attention.fill_draft_buffers` into this runner's draft buffers."""
-        attention.fill_draft_buffers(self.cache.k, self.cache.v, self.draft_k, self.draft_v,
-                                     block_table, self.cache.block_size, positions, rows, columns)
+        attention._kernels["fill"](self.cache.k, self.cache.v, self.draft_k, self.draft_v,
+                                   block_table, self.cache.block_size, positions, rows, columns)
 
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def set_context_tokens(self, seqs: list[Sequence]) -> None:
@@ -337,8 +336,7 @@ class ModelRunner:
                 self.context_tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
                 dev["sparse_verified"], prev, self.spec.num_lookups,
                 self.model.config.max_position_embeddings)
-            self._fill_draft_buffers(self.block_tables[rows],
-                                     found_at[:, None, None, :].expand(-1, L, n_kv, -1), rows,
+            self._fill_draft_buffers(self.block_tables[rows], found_at[:, None, None, :], rows,
                                      n_sel[:, None] + torch.arange(M, device=self.device))
         else:
             seen = seen[:, None, None, :].expand(-1, L, n_kv, -1)            # [Bs, L, n_kv, N]

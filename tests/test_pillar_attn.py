@@ -775,19 +775,38 @@ def test_compiled_kernels_match_eager():
                    torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]), torch.tensor([12, 9, 11]),
                    torch.tensor([0, 4, 2]), 2, 12)
     eager_lookup = attention.lookup_draft_columns(*lookup_args)
+    # the draft buffers' fill: two requests' 3 blocks of 4 positions in a pool of 8 blocks, into rows 3 and 1 of the
+    # buffers [2 layers, 5 rows, N_KV, 8 columns]; positions per (layer, KV head), then one list for all of them
+    fill_pool = torch.randn(2, 2, 8 * 4, N_KV, D, generator=g).unbind(0)
+    fill_lists = [(torch.tensor([[5, 0, 2], [7, 1, 4]]), 4, torch.randint(0, 12, (2, 2, N_KV, 5), generator=g),
+                   torch.tensor([3, 1]), torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]])),
+                  (torch.tensor([[5, 0, 2], [7, 1, 4]]), 4, torch.tensor([[[[9]]], [[[2]]]]), torch.tensor([3, 1]),
+                   torch.tensor([[6], [0]]))]
+
+    def filled(kernel):
+        """-> the draft buffers after `kernel` fills each of `fill_lists` in turn into zeroed ones"""
+        keys, values = torch.zeros(2, 2, 5, N_KV, 8, D).unbind(0)
+        for table, block_size, positions, rows, columns in fill_lists:
+            kernel(*fill_pool, keys, values, table, block_size, positions, rows, columns)
+        return keys, values
+    eager_filled = filled(attention.fill_draft_buffers)
 
     kernels.compile_kernels()
     try:
         assert all(attention._kernels[name] is not eager for name, eager in
                    [("store", attention.store_kv), ("scores", pillar_scores), ("sparse", attention.sparse_drafts),
-                    ("lookup", attention.lookup_draft_columns)])
+                    ("lookup", attention.lookup_draft_columns), ("fill", attention.fill_draft_buffers)])
         scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
         sparse_out = sparse_branch(attention._kernels["sparse"])
         attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
         lookup = attention._kernels["lookup"](*lookup_args)
+        compiled_filled = filled(attention._kernels["fill"])
     finally:
         kernels.use_eager_kernels()
     assert all(torch.equal(a, b) for a, b in zip(lookup, eager_lookup)) and eager_lookup[1].any()
+    assert all(torch.equal(a, b) for a, b in zip(compiled_filled, eager_filled))
+    # per (layer, KV head): 5 + 1 columns of row 3, 5 + 1 of row 1, and nothing else
+    assert eager_filled[0].abs().sum(-1).gt(0).sum() == 2 * N_KV * 12
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out[0], eager_sparse[0], atol=1e-4)
     assert torch.equal(sparse_out[1], eager_sparse[1]) and torch.equal(sparse_out[2], eager_sparse[2])
@@ -799,6 +818,7 @@ def test_compiled_kernels_match_eager():
     assert attention._kernels["scores"] is pillar_scores and attention._kernels["sparse"] is attention.sparse_drafts
     assert attention._kernels["store"] is attention.store_kv
     assert attention._kernels["lookup"] is attention.lookup_draft_columns
+    assert attention._kernels["fill"] is attention.fill_draft_buffers
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
@@ -993,7 +1013,8 @@ def test_the_fast_path_switches_on_every_compiled_piece(monkeypatch, tmp_path):
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 6), (torch.float16, 3)])
 def test_draft_buffers_receive_the_pools_rows_of_their_positions(dtype, head_dim):
     """fill_draft_buffers copies, for each (request, layer, KV head), the pool's K and V rows of its positions into its
-    columns of its row of the draft buffers, whatever word a row is copied in; nothing else changes."""
+    columns of its row of the draft buffers, in any dtype; nothing else changes. Positions given once for all layers
+    and heads ([B, 1, 1, n]) fill as the same positions given for each."""
     g = torch.Generator().manual_seed(0)
     L, n_kv, bs, blocks, rows_total, C = 2, 3, 4, 12, 5, 7
     k_cache, v_cache = (torch.randn(L, blocks * bs, n_kv, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -1013,3 +1034,10 @@ def test_draft_buffers_receive_the_pools_rows_of_their_positions(dtype, head_dim
                     expected_k[layer, row, head, column] = k_cache[layer, slot, head]
                     expected_v[layer, row, head, column] = v_cache[layer, slot, head]
     assert torch.equal(draft_k, expected_k) and torch.equal(draft_v, expected_v)
+    shared = positions[:, :1, :1]                                                       # [B, 1, 1, 4]
+    for buffers in ((draft_k, draft_v), (expected_k, expected_v)):
+        buffers[0].zero_(), buffers[1].zero_()
+    attention.fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, block_table, bs, shared, rows, columns)
+    attention.fill_draft_buffers(k_cache, v_cache, expected_k, expected_v, block_table, bs,
+                                 shared.expand(-1, L, n_kv, -1), rows, columns)
+    assert torch.equal(draft_k, expected_k) and torch.equal(draft_v, expected_v) and draft_k.any()
