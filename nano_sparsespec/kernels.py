@@ -146,12 +146,21 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: i
     return run
 
 
-def fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, *lists) -> None:
+def fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, block_table, block_size: int,
+                       positions, rows, columns) -> None:
     """`attention.fill_draft_buffers`, compiled with the pool's, heads' and buffers' sizes as
     constants (symbolic ones make each element's index a chain of runtime divisions), on the rows'
     integer words (`as_words`: a bfloat16 row of 64 moves as 16 words, each element's index math
-    done once per word)."""
-    _fill[-1](*(as_words(x) for x in (k_cache, v_cache, draft_k, draft_v)), *lists)
+    done once per word). A batch or a list of one position is given twice (the same copies again:
+    torch would specialise a size of 1), so two compilations serve a run: positions per layer and
+    KV head (a selection), and positions shared by all (a pending draft's, the lookups)."""
+    if positions.shape[-1] == 1:
+        positions, columns = positions.repeat(1, 1, 1, 2), columns.repeat(1, 2)
+    if positions.shape[0] == 1:
+        block_table, positions = block_table.repeat(2, 1), positions.repeat(2, 1, 1, 1)
+        rows, columns = rows.repeat(2), columns.repeat(2, 1)
+    _fill[-1](*(as_words(x) for x in (k_cache, v_cache, draft_k, draft_v)), block_table,
+              block_size, positions.contiguous(), rows, columns.contiguous())
 
 
 _fill = []      # the compiled `attention.fill_draft_buffers` (`compile_kernels`)
