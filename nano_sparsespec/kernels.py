@@ -89,12 +89,13 @@ def use_project_compile_cache() -> None:
 
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
-    """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch,
-    pillar-lookup's draft columns and the draft buffers' fill (dynamic shapes; float tolerance)
-    into attention.py's kernel table, and with `paged` the paged dense path: its attention for
-    static shapes (as flex_attention's decoding kernel wants: one compilation per batch class,
-    query rows and chunk count), the swapped score pass and its inputs for a dynamic batch and
-    context (padded steps have at least two requests: torch specialises sizes 0 and 1).
+    """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch and
+    pillar-lookup's draft columns (dynamic shapes; float tolerance), and of the draft buffers'
+    fill (`compile_fill`), into attention.py's kernel table, and with `paged` the paged dense
+    path: its attention for static shapes (as flex_attention's decoding kernel wants: one
+    compilation per batch class, query rows and chunk count), the swapped score pass and its
+    inputs for a dynamic batch and context (padded steps have at least two requests: torch
+    specialises sizes 0 and 1).
     With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
     other step (`exact_rows`): a verification row gets its decode row's bits."""
     global exact_rows
@@ -105,11 +106,7 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["sparse"] = verifier.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
     kernels["lookup"] = verifier.sizes_apart(torch.compile(attention.lookup_draft_columns,
                                                            dynamic=True))
-    kernels["fill"] = fill_draft_buffers
-    # fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, block_table, block_size, positions,
-    # rows, columns): batch, table width and positions per row dynamic
-    _fill.append(verifier.sizes_apart(_static_but(attention.fill_draft_buffers,
-                                                  {4: (0, 1), 6: (0, 3), 7: (0,), 8: (0, 1)})))
+    kernels["fill"] = compile_fill()
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch
@@ -146,24 +143,27 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: i
     return run
 
 
-def fill_draft_buffers(k_cache, v_cache, draft_k, draft_v, block_table, block_size: int,
-                       positions, rows, columns) -> None:
+def compile_fill():
     """`attention.fill_draft_buffers`, compiled with the pool's, heads' and buffers' sizes as
     constants (symbolic ones make each element's index a chain of runtime divisions), on the rows'
     integer words (`as_words`: a bfloat16 row of 64 moves as 16 words, each element's index math
     done once per word). A batch or a list of one position is given twice (the same copies again:
     torch would specialise a size of 1), so two compilations serve a run: positions per layer and
     KV head (a selection), and positions shared by all (a pending draft's, the lookups)."""
-    if positions.shape[-1] == 1:
-        positions, columns = positions.repeat(1, 1, 1, 2), columns.repeat(1, 2)
-    if positions.shape[0] == 1:
-        block_table, positions = block_table.repeat(2, 1), positions.repeat(2, 1, 1, 1)
-        rows, columns = rows.repeat(2), columns.repeat(2, 1)
-    _fill[-1](*(as_words(x) for x in (k_cache, v_cache, draft_k, draft_v)), block_table,
-              block_size, positions.contiguous(), rows, columns.contiguous())
+    # batch, table width and positions per row dynamic
+    compiled = verifier.sizes_apart(_static_but(attention.fill_draft_buffers,
+                                                {4: (0, 1), 6: (0, 3), 7: (0,), 8: (0, 1)}))
 
-
-_fill = []      # the compiled `attention.fill_draft_buffers` (`compile_kernels`)
+    def fill(k_cache, v_cache, draft_k, draft_v, block_table, block_size: int, positions, rows,
+             columns) -> None:
+        if positions.shape[-1] == 1:
+            positions, columns = positions.repeat(1, 1, 1, 2), columns.repeat(1, 2)
+        if positions.shape[0] == 1:
+            block_table, positions = block_table.repeat(2, 1), positions.repeat(2, 1, 1, 1)
+            rows, columns = rows.repeat(2), columns.repeat(2, 1)
+        compiled(*(as_words(x) for x in (k_cache, v_cache, draft_k, draft_v)), block_table,
+                 block_size, positions.contiguous(), rows, columns.contiguous())
+    return fill
 
 
 def use_eager_kernels() -> None:
