@@ -14,8 +14,9 @@ Owns
     chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows, every step cuts
     and visits a context alike, so a verification row gets its decode row's bits, and greedy
     speculation stays lossless in bfloat16); a verification's PillarAttn scores come from
-    swapped_scores.py's pass. `paged_dense` runs three pieces, each compiled as a whole graph (no
-    graph break: a break's resume function recompiles).
+    swapped_scores.py's pass, and drafts that read their rows of the draft buffers in place
+    attend through flex_drafts.py's kernel. `paged_dense` runs three pieces, each compiled as a
+    whole graph (no graph break: a break's resume function recompiles).
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from . import attention, model, verifier
 from .attention import AttentionContext, as_words, pack_groups, unpack_groups
+from .flex_drafts import drafts_by_reading, flex_drafts
 from .pillar_attn import pillar_scores
 from .swapped_scores import score_inputs, score_pass
 
@@ -95,9 +97,9 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     path: its attention for static shapes (as flex_attention's decoding kernel wants: one
     compilation per batch class, query rows and chunk count), the swapped score pass and its
     inputs for a dynamic batch and context (padded steps have at least two requests: torch
-    specialises sizes 0 and 1).
-    With `exact`, the paged kernel computes a row with the arithmetic of the same row in any
-    other step (`exact_rows`): a verification row gets its decode row's bits."""
+    specialises sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for static
+    buffer rows. With `exact`, the paged kernel computes a row with the arithmetic of the same
+    row in any other step (`exact_rows`): a verification row gets its decode row's bits."""
     global exact_rows
     exact_rows = paged and exact
     kernels = attention._kernels
@@ -118,7 +120,11 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
                                                               5: (0,), 6: (0,)}),
                       score_pass=_static_but(score_pass, {0: (0, 2), 1: (0, 2), 2: (0,),
                                                           3: (0,), 4: (0,)}))
-        kernels.update(paged=paged_dense, prepare=paged_prepare)
+        # drafts reading their rows in place (flex_drafts.py): T, Bs and the columns N dynamic
+        rows_dynamic = {i: (0,) for i in (0, 1, 2, 3, 6, 7, 8, 9)}
+        in_place = verifier.sizes_apart(_static_but(flex_drafts, rows_dynamic | {10: (2,)}))
+        kernels.update(paged=paged_dense, prepare=paged_prepare,
+                       sparse=drafts_by_reading(kernels["sparse"], in_place))
 
 
 def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):
@@ -178,7 +184,8 @@ def use_paged_reference() -> None:
     """The paged path with uncompiled flex_attention (torch's reference math over the whole pool:
     tiny pools only), so the CPU tests check the block mask that the compiled GPU kernel relies
     on."""
-    attention._kernels.update(paged=paged_dense, prepare=paged_prepare)
+    attention._kernels.update(paged=paged_dense, prepare=paged_prepare,
+                              sparse=drafts_by_reading(attention.sparse_drafts, flex_drafts))
     _paged.update(PAGED_PIECES)
 
 

@@ -24,6 +24,7 @@ from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
 from .cuda_graphs import DRAFT_WIDTH_PADDING, StepGraphs, round_up
 from .device import Packed, to_device
+from .flex_drafts import DRAFT_BLOCK
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Sequence, Work
@@ -100,6 +101,8 @@ class ModelRunner:
         if self.graphs is not None:
             window += DRAFT_WIDTH_PADDING
         columns = round_up(selection_width + self.lookups + window, 8)
+        if self.graphs is not None:   # whole blocks of the fast path's drafts' kernel
+            columns = round_up(columns, DRAFT_BLOCK)
         old = (self.draft_k, self.draft_v)
         had = 0 if old[0] is None else old[0].shape[-2]
         if columns <= had:

@@ -1,0 +1,78 @@
+"""The drafts' sparse attention on the fast path: flex_attention's decoding kernel over the draft
+buffers in place, one fused pass per layer.
+
+attention.py's `sparse_drafts` (the reference) attends with two batched matmuls and a softmax
+between them, which write each row's logits and probabilities out and read them back; here one
+kernel reads each row's columns once and keeps the softmax in registers.
+
+Owns `flex_drafts` (`attention.sparse_drafts`'s contract, for drafts that read their rows in
+place), `draft_block_mask` and `drafts_by_reading` (the drafts' kernel of the fast path).
+kernels.py compiles `flex_drafts` for a static count of buffer rows (the decoding kernel wants a
+static batch); uncompiled, flex_attention is torch's reference implementation (the CPU tests).
+"""
+from __future__ import annotations
+
+import torch
+
+# Columns per block of the kernel's block mask: a row reads its first N columns rounded up to
+# whole blocks, so the draft buffers' width is a multiple of it on the fast path (runner.py).
+DRAFT_BLOCK = 64
+# The decoding kernel's Triton settings: one CTA per (row, KV head) (the rows are many and each
+# reads a few hundred columns); the fastest of 36 block sizes, warps and stages on the H200 at a
+# busy step's shape (BENCHMARKS.md).
+DRAFT_KERNEL_OPTIONS = {"SPLIT_KV": 1, "num_stages": 2, "num_warps": 2}
+
+
+def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_column,
+                valid) -> None:
+    """One layer's draft tokens: their K/V join their rows of the draft buffers, then each attends
+    to its row in place.
+
+    out: [T, n_heads, D] (the drafts' rows are written); q: [T, n_heads, D]; k, v: [T, n_kv, D];
+    keys, values: [rows, n_kv, C, D] the layer's draft buffers (C a multiple of DRAFT_BLOCK);
+    q_index, read_row, write_row, write_column: [Bs] (`attention.SparseBatch`); valid:
+    [R, n_kv, N] the columns each of the first R <= rows rows attends to."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    heads = torch.arange(keys.shape[1], device=q.device)                       # [n_kv]
+    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]        # [Bs, n_kv, D]
+    values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
+    R, n_kv, _ = valid.shape
+    H, D = q.shape[1:]
+    queries = q.new_zeros(R, H, D)                                             # [R, n_heads, D]
+    queries[read_row] = q[q_index]
+    # a KV head's G query heads as G query rows of one head: [R, n_kv, G, D]
+    packed = queries.view(R, n_kv, H // n_kv, D)
+    block_mask = draft_block_mask(valid, read_row, H // n_kv, keys.shape[2])
+    attended = flex_attention(packed, keys[:R], values[:R], block_mask=block_mask,
+                              kernel_options=DRAFT_KERNEL_OPTIONS)             # [R, n_kv, G, D]
+    out[q_index] = attended.reshape(R, H, D)[read_row]
+
+
+def draft_block_mask(valid, read_row, q_rows: int, columns: int):
+    """The BlockMask under which row b's packed queries see the columns valid[b, h] marks:
+    valid [R, n_kv, N] bool; read_row [Bs] the rows drafts read (the others list no block and
+    read nothing); q_rows: query rows per KV head (G); columns: the buffers' width C (a
+    multiple of DRAFT_BLOCK, at least N)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    R, n_kv, N = valid.shape
+    counts = torch.zeros(R, 1, 1, dtype=torch.int32, device=valid.device)
+    counts[read_row] = -(-N // DRAFT_BLOCK)
+    # BlockMask's contract: one column per block of the key sequence
+    ids = torch.arange(columns // DRAFT_BLOCK, dtype=torch.int32, device=valid.device)
+
+    def visible(b, h, q_idx, kv_idx):   # (compiled, the mask reads a tensor from outside)
+        return (kv_idx < N) & valid[b, h, torch.clamp(kv_idx, max=N - 1)]
+
+    return BlockMask.from_kv_blocks(counts, ids.repeat(R, 1, 1, 1),
+                                    BLOCK_SIZE=(128, DRAFT_BLOCK), mask_mod=visible,
+                                    seq_lengths=(q_rows, columns), compute_q_blocks=False)
+
+
+def drafts_by_reading(gathered, in_place):
+    """The drafts' kernel: `in_place` for drafts that read their rows of the draft buffers in
+    place (`SparseBatch.read_row` given), `gathered` for those that copy them out."""
+    def sparse(*args):
+        return (gathered if args[7] is None else in_place)(*args)
+    return sparse
