@@ -53,10 +53,11 @@ def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-# The drafts' attention reads N columns of each draft-buffer row in two batched matmuls. On the
-# H200, cuBLAS's kernels for them take about a third longer when N % 128 lies in [8, 64] than at
-# N % 128 = 72 (the embedded model's heads; BENCHMARKS.md), so a bucket's window takes the columns
-# to reach that width; the draft buffers keep room for them (`DRAFT_WIDTH_PADDING`).
+# Drafts that copy their draft-buffer rows out (few left) attend over N columns in two batched
+# matmuls (those reading in place: flex_drafts.py). On the H200, cuBLAS's kernels for them take
+# about a third longer when N % 128 lies in [8, 64] than at N % 128 = 72 (the embedded model's
+# heads; BENCHMARKS.md), so a bucket's window takes the columns to reach that width; the draft
+# buffers keep room for them (`DRAFT_WIDTH_PADDING`).
 SLOW_DRAFT_WIDTHS = (8, 64)     # N % 128, both ends included
 DRAFT_WIDTH_PADDING = 64
 

@@ -1,4 +1,4 @@
-"""The `pillar-lookup` drafter (benchmarks/drafter/README.md chose it, with 8 lookup matches by default): its
+"""The `pillar-lookup` drafter (the acceptance sweep in BENCHMARKS.md chose it, with 8 lookup matches by default): its
 token-lookup selection against explicit references, its configuration, and greedy equality with plain decoding on a
 tiny random Qwen3 across strides, batch policies, delayed verification and offload."""
 import itertools
