@@ -39,13 +39,15 @@ from .device import Packed
 
 
 def compile_seconds() -> float:
-    """Seconds torch.compile has spent compiling in this process so far (torch's own tally).
+    """Seconds torch.compile has spent in this process so far (torch's own tally): compiling, and
+    choosing among a compiled kernel's Triton configurations by timing them at its first launch
+    (a one-time cost that falls at run time, outside compiling).
 
     A graph's first, eager run is where a new step shape meets the compiled kernels, so recording
     notes how much of its time this was."""
     from torch._dynamo.utils import compilation_time_metrics
     return sum(sum(times) for name, times in compilation_time_metrics.items()
-               if name.endswith("compile_inner"))
+               if name.endswith("compile_inner") or name.startswith("CachingAutotuner."))
 
 
 def round_up(n: int, step: int) -> int:
