@@ -777,16 +777,19 @@ def test_compiled_kernels_match_eager():
                    torch.tensor([0, 4, 2]), 2, 12)
     eager_lookup = attention.lookup_draft_columns(*lookup_args)
     # the draft buffers' fill: two requests' 3 blocks of 4 positions in a pool of 8 blocks, into rows 3 and 1 of the
-    # buffers [2 layers, 5 rows, N_KV, 8 columns]; positions per (layer, KV head), then one list for all of them (of
-    # one position each); then one request (row 2) alone, both ways
+    # buffers [2 layers, 5 rows, N_KV, 8 columns] (the rows a view into a longer list); positions per (layer, KV
+    # head), then one list for all of them (of one position each); then one request (row 2) alone, both ways; then two
+    # requests of one block each (rows 0, 4)
     fill_pool = torch.randn(2, 2, 8 * 4, N_KV, D, generator=g).unbind(0)
     fill_lists = [(torch.tensor([[5, 0, 2], [7, 1, 4]]), 4, torch.randint(0, 12, (2, 2, N_KV, 5), generator=g),
-                   torch.tensor([3, 1]), torch.arange(5).expand(2, -1) + torch.tensor([[0], [3]])),
+                   torch.tensor([9, 9, 3, 1])[2:], torch.arange(5).expand(2, -1) + torch.tensor([[0], [3]])),
                   (torch.tensor([[5, 0, 2], [7, 1, 4]]), 4, torch.tensor([[[[9]]], [[[2]]]]), torch.tensor([3, 1]),
                    torch.tensor([[6], [0]])),
                   (torch.tensor([[3, 6]]), 4, torch.randint(0, 8, (1, 2, N_KV, 3), generator=g), torch.tensor([2]),
                    torch.tensor([[0, 1, 2]])),
-                  (torch.tensor([[3, 6]]), 4, torch.tensor([[[[1, 7]]]]), torch.tensor([2]), torch.tensor([[3, 4]]))]
+                  (torch.tensor([[3, 6]]), 4, torch.tensor([[[[1, 7]]]]), torch.tensor([2]), torch.tensor([[3, 4]])),
+                  (torch.tensor([[5], [2]]), 4, torch.randint(0, 4, (2, 2, N_KV, 2), generator=g),
+                   torch.tensor([0, 4]), torch.tensor([[0, 1], [6, 7]]))]
 
     def filled(kernel):
         """-> the draft buffers after `kernel` fills each of `fill_lists` in turn into zeroed ones"""
@@ -811,8 +814,8 @@ def test_compiled_kernels_match_eager():
         kernels.use_eager_kernels()
     assert all(torch.equal(a, b) for a, b in zip(lookup, eager_lookup)) and eager_lookup[1].any()
     assert all(torch.equal(a, b) for a, b in zip(compiled_filled, eager_filled))
-    # per (layer, KV head): 5 + 1 columns of row 3, 5 + 1 of row 1, 3 + 2 of row 2, and nothing else
-    assert eager_filled[0].abs().sum(-1).gt(0).sum() == 2 * N_KV * 17
+    # per (layer, KV head): 5 + 1 columns of row 3, 5 + 1 of row 1, 3 + 2 of row 2, 2 of rows 0 and 4, nothing else
+    assert eager_filled[0].abs().sum(-1).gt(0).sum() == 2 * N_KV * 21
     assert compiled.frames["fill_draft_buffers"][0] == 2         # positions per layer and head, or shared
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out[0], eager_sparse[0], atol=1e-4)
