@@ -273,18 +273,31 @@ def sparse_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, writ
     each draft reads a copy of its row (write_row).
     One function, so that the fast path compiles the moves and the attention into a few
     kernels."""
-    heads = torch.arange(keys.shape[1], device=q.device)                       # [n_kv]
-    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]        # [Bs, n_kv, D]
-    values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
+    write_draft_kv(k, v, keys, values, q_index, write_row, write_column)
     rows_read, _, N = valid.shape
     if read_row is None:                      # the drafts' rows copied out: [Bs, n_kv, N, D]
         out[q_index] = sparse_attention(q[q_index], keys[write_row, :, :N],
                                         values[write_row, :, :N], valid)
         return
-    queries = q.new_zeros(rows_read, *q.shape[1:])                             # [R + 1, n_heads, D]
-    queries[read_row] = q[q_index]
+    queries = queries_by_row(q, q_index, read_row, rows_read)                  # [R + 1, n_heads, D]
     out[q_index] = sparse_attention(queries, keys[:rows_read, :, :N], values[:rows_read, :, :N],
                                     valid)[read_row]
+
+
+def write_draft_kv(k, v, keys, values, q_index, write_row, write_column) -> None:
+    """The drafts' own K/V (k, v [T, n_kv, D] at rows q_index [Bs]) into column write_column of
+    row write_row [Bs] of one layer's draft buffers keys, values [rows + 1, n_kv, C, D]."""
+    heads = torch.arange(keys.shape[1], device=k.device)                       # [n_kv]
+    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]        # [Bs, n_kv, D]
+    values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
+
+
+def queries_by_row(q, q_index, read_row, rows: int):
+    """q [T, n_heads, D] -> [rows, n_heads, D]: each draft's query (row q_index) in its buffer row
+    read_row [Bs]; zeros in the rows no draft reads."""
+    queries = q.new_zeros(rows, *q.shape[1:])
+    queries[read_row] = q[q_index]
+    return queries
 
 
 def sparse_attention(q, k, v, valid):

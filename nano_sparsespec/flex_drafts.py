@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import queries_by_row, write_draft_kv
+
 # Columns per block of the kernel's block mask: a row reads its first N columns rounded up to
 # whole blocks, so the draft buffers' width is a multiple of it on the fast path (runner.py).
 DRAFT_BLOCK = 64
@@ -34,13 +36,10 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
     [R, n_kv, N] the columns each of the first R <= rows rows attends to."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    heads = torch.arange(keys.shape[1], device=q.device)                       # [n_kv]
-    keys[write_row[:, None], heads, write_column[:, None]] = k[q_index]        # [Bs, n_kv, D]
-    values[write_row[:, None], heads, write_column[:, None]] = v[q_index]
+    write_draft_kv(k, v, keys, values, q_index, write_row, write_column)
     R, n_kv, _ = valid.shape
     H, D = q.shape[1:]
-    queries = q.new_zeros(R, H, D)                                             # [R, n_heads, D]
-    queries[read_row] = q[q_index]
+    queries = queries_by_row(q, q_index, read_row, R)                          # [R, n_heads, D]
     # a KV head's G query heads as G query rows of one head: [R, n_kv, G, D]
     packed = queries.view(R, n_kv, H // n_kv, D)
     block_mask = draft_block_mask(valid, read_row, H // n_kv, keys.shape[2])
