@@ -1,6 +1,7 @@
 """The benchmark CLI on a tiny random Qwen3 (no tokenizer: prompts become code points): every row runs and reports
 sane values, greedy rows of ours equal plain decoding, the byte model matches hand-computed cases, and the step
 profile runs on tiny shapes (including a random-weight model built from a config)."""
+import gzip
 import json
 from types import SimpleNamespace
 
@@ -325,13 +326,17 @@ def test_device_timeline_counts_overlaps_once_and_gaps_as_idle():
 def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):
     """--trace-steps FIRST:COUNT[,FIRST:COUNT]: each row of ours reports, per window, the kernels (on the CPU:
     operators) of COUNT of its steps from step FIRST, what those steps held and their wall time; a window past a
-    row's end is None; windows must not overlap."""
+    row's end is None; windows must not overlap. --trace-dir keeps each window's Chrome trace."""
     argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
             "--batch-size", "2", "--max-new-tokens", "12", "--ignore-eos", "--stride", "2", "--min-budget", "8",
             "--device", "cpu", "--threads", "1", "--rows", "plain,+async", "--profile-kernels", "4",
             "--json-out", str(tmp_path / "b.json")]
-    assert bench.main(argv + ["--trace-steps", "2:2,5:3"]) == 0
+    assert bench.main(argv + ["--trace-steps", "2:2,5:3", "--trace-dir", str(tmp_path / "traces")]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert len(traces) == 4 and "async_step5.json.gz" in traces and "plain_step5.json.gz" in traces, traces
+    with gzip.open(tmp_path / "traces" / "async_step5.json.gz", "rt") as f:
+        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
     for name, r in rows.items():
         first, second = r["step_windows"]     # (a window opens at the first step launched from FIRST on)
         assert (first["steps"], second["steps"]) == (2, 3) and 2 <= first["first"] <= 3 and second["first"] == 5, name
@@ -341,6 +346,7 @@ def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tm
             top = w["kernels"]["top"]
             assert len(top) == 4 and top[0]["ms"] >= top[-1]["ms"] > 0 and w["kernels"]["total_ms"] >= top[0]["ms"]
             assert w["device_span_ms"] is None and w["device_busy_ms"] is None, name   # (a CPU: no device timeline)
+            assert w["graphs_recorded"] == 0 and "host" not in w, name    # (no graphs; the kernels are the host's)
     assert rows["plain"]["step_windows"][1]["works"] == 2
     assert rows["plain"]["step_windows"][1]["verifications"] == 0 < rows["+async"]["step_windows"][1]["verifications"]
     out = capsys.readouterr().out

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "FIRST (each window in turn), the kernels that take the most device time "
                         "(--profile-kernels, default 25), the steps' wall time and how busy they "
                         "kept the device; the row's tok/s then holds the profiler's overhead")
+    p.add_argument("--trace-dir", default=None,
+                   help="with --trace-steps: write each window's Chrome trace (host and device "
+                        "timelines) there as ROW_stepFIRST.json.gz")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "
@@ -247,7 +250,8 @@ def _run(args, argv: list[str]) -> int:
             if name == "hf":
                 row = run_hf(llm, token_ids, args, bm)
             else:
-                windows = [StepWindow(device, *w, args.profile_kernels or 25)
+                windows = [StepWindow(device, *w, args.profile_kernels or 25,
+                                      trace_file(args.trace_dir, name, w[0]))
                            for w in trace or []]
                 row = run_ours(llm, spec_for(name, args, kv_blocks), token_ids, params, bm,
                                windows)
@@ -285,6 +289,13 @@ def _run(args, argv: list[str]) -> int:
 
     print(write_outputs(result, args))
     return 0
+
+
+def trace_file(folder: str | None, row: str, first: int) -> str | None:
+    """Where a row's trace window from step `first` is written (None: nowhere)."""
+    if folder is None:
+        return None
+    return str(Path(folder) / f"{row.strip('+').replace('+', '_')}_step{first}.json.gz")
 
 
 def write_outputs(result: dict, args) -> str:

@@ -87,7 +87,11 @@ def rows_markdown(result: dict) -> str:
                       + (f" (the device busy {w['device_busy_ms']:.2f} of the "
                          f"{w['device_span_ms']:.2f} ms its work spans a step)"
                          if w.get("device_span_ms") else "")
-                      + f", the most (ms per step, calls per step): {top}"]
+                      + f", the most (ms per step, calls per step): {top}"
+                      + (f"; {w['graphs_recorded']} CUDA graphs recorded in the window"
+                         if w.get("graphs_recorded") else "")
+                      + (f"; the host's operators and CUDA calls, the most: "
+                         f"{_kernel_list(w['host'])}" if w.get("host") else "")]
     return "\n".join(lines)
 
 
