@@ -108,12 +108,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                              v.repeat_interleave(group, 1).transpose(0, 1),
                                              is_causal=True)
         return out.transpose(0, 1)
-    _kernels["store"](ctx.k_cache[layer], ctx.v_cache[layer], ctx.slot_mapping, k, v)
+    window = ()
     if ctx.window_writes is not None and ctx.draft_k is not None:
-        tokens, rows, columns = ctx.window_writes
-        heads = torch.arange(k.shape[1], device=k.device)
-        ctx.draft_k[layer][rows[:, None], heads, columns[:, None]] = k[tokens]   # [Tw, n_kv, D]
-        ctx.draft_v[layer][rows[:, None], heads, columns[:, None]] = v[tokens]
+        window = (ctx.draft_k[layer], ctx.draft_v[layer], *ctx.window_writes)
+    _kernels["store"](ctx.k_cache[layer], ctx.v_cache[layer], ctx.slot_mapping, k, v, *window)
     out = torch.zeros_like(q)   # zeros: a padded step (cuda_graphs.py) has rows no batch writes
     if ctx.dense is not None:
         if ctx.dense.block_mask is None:
@@ -162,12 +160,21 @@ def _dense_gathered(layer: int, out: torch.Tensor, q: torch.Tensor, kv_shape: to
 
 
 def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+             v: torch.Tensor, draft_k: torch.Tensor | None = None,
+             draft_v: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+             rows: torch.Tensor | None = None, columns: torch.Tensor | None = None) -> None:
     """Write the step's keys and values into one layer's pool: k_layer, v_layer [slots, n_kv, D];
-    slots [T]; k, v [T, n_kv, D]. (The layer's pool is passed in, not the whole cache: compiled, a
-    write into a slice of an input copies the whole slice out and back.)"""
+    slots [T]; k, v [T, n_kv, D]. With `draft_k`, `draft_v` (one layer's draft buffers
+    [rows + 1, n_kv, C, D]), also token tokens[i]'s into row rows[i], column columns[i] of them
+    (`AttentionContext.window_writes`, each [Tw]). (The layer's pool and buffers are passed in,
+    not the whole cache: compiled, a write into a slice of an input copies the whole slice out
+    and back.)"""
     k_layer[slots] = k
     v_layer[slots] = v
+    if draft_k is not None:
+        heads = torch.arange(k.shape[1], device=k.device)                          # [n_kv]
+        draft_k[rows[:, None], heads, columns[:, None]] = k[tokens]               # [Tw, n_kv, D]
+        draft_v[rows[:, None], heads, columns[:, None]] = v[tokens]
 
 
 def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: torch.Tensor,

@@ -2,7 +2,8 @@
 queries and keys swapped, so that the attention probabilities are never in memory.
 
 Owns `column_scores` (`pillar_scores` from the rows' log-sum-exps), `score_rows` (the pass's
-keys: the packed rows, and their shifts), `score_pass` (the pass) and `score_inputs` (its inputs
+keys: the packed rows, and their shifts), `score_pass` (the pass; `row_blocks_per_tile`, the
+tiles of positions it visits) and `score_inputs` (its inputs
 on the paged path: the keys gathered head-major from the pool, and `score_rows`), which
 kernels.py's paged path runs, compiled, after its attention. Uncompiled, flex_attention is
 torch's reference implementation (the CPU tests).
@@ -73,9 +74,10 @@ def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
         return position <= q_start[b] + row % Q
 
     tiles, row_blocks = -(-L // SCORE_TILE), R // SCORE_ROWS
-    # every tile of positions sees every block of rows, through `seen_by`
+    # a tile of positions within its request's context sees every block of rows, through
+    # `seen_by`; one past it lists none (its positions score 0)
     block_mask = BlockMask.from_kv_blocks(
-        torch.full((B, 1, tiles), row_blocks, dtype=torch.int32, device=keys.device),
+        row_blocks_per_tile(q_start + Q - 1, tiles, row_blocks),
         torch.arange(row_blocks, dtype=torch.int32, device=keys.device).repeat(B, 1, tiles, 1),
         BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R),
         compute_q_blocks=False)                   # (the transposed lists serve only a backward)
@@ -84,6 +86,16 @@ def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
                             scale=D ** -0.5, return_aux=AuxRequest(lse=True),
                             kernel_options=SCORE_KERNEL_OPTIONS)
     scores.copy_(aux.lse.float().exp())
+
+
+def row_blocks_per_tile(last_position, tiles: int, row_blocks: int) -> torch.Tensor:
+    """The score pass's block counts [B, 1, tiles] int32: all `row_blocks` blocks of rows for a tile
+    of SCORE_TILE positions that starts at or before its request's last row's position
+    last_position [B], none past it: a verification's rows see nothing there, and the kernel
+    skips a tile that lists nothing, so the pass costs a request's context, not the longest."""
+    first = torch.arange(tiles, device=last_position.device) * SCORE_TILE             # [tiles]
+    within = first[None, :] <= last_position[:, None]                                  # [B, tiles]
+    return (within * row_blocks).to(torch.int32)[:, None]
 
 
 def score_inputs(q, q_index, k_layer, block_table, block_size: int, score_weight, lse):

@@ -529,6 +529,16 @@ def test_column_scores_are_weighted_probabilities(monkeypatch, rows_per_block):
     assert torch.equal(scores[2], torch.zeros(N_KV, L))
 
 
+def test_the_score_pass_visits_the_tiles_of_each_context_only():
+    """The swapped score pass lists every block of rows for a tile of positions that starts at or before its
+    request's last row's position, and none for a tile past it (the compiled kernel skips those; torch's reference
+    flex_attention ignores block lists, so the lists are checked here)."""
+    T = swapped_scores.SCORE_TILE
+    counts = swapped_scores.row_blocks_per_tile(torch.tensor([0, T - 1, T, 3 * T + 5]), 4, 2)
+    assert counts.dtype == torch.int32 and counts.shape == (4, 1, 4)
+    assert counts[:, 0].tolist() == [[2, 0, 0, 0], [2, 0, 0, 0], [2, 2, 0, 0], [2, 2, 2, 2]]
+
+
 def test_runs_attend_and_score_as_one_batch(tmp_path):
     """A dense batch attended in runs (a step's prefill chunks apart from its decoding requests: `DenseBatch.runs`),
     each run with its own query rows and context, gives the outputs and the PillarAttn scores of the same batch
@@ -769,6 +779,15 @@ def test_compiled_kernels_match_eager():
     pool_k, pool_v = torch.zeros(2, 4, 16, N_KV, D).unbind(0)
     qkv, slots = torch.randn(5, H + 2 * N_KV, D, generator=g), torch.tensor([3, 9, 0, 15, 7])
     k_new, v_new = qkv[:, H:H + N_KV], qkv[:, H + N_KV:]
+    # ... with window writes: tokens 4, 1, 2 also into draft-buffer rows 2, 0, 2 at columns 5, 7, 6
+    window = (torch.tensor([4, 1, 2]), torch.tensor([2, 0, 2]), torch.tensor([5, 7, 6]))
+
+    def stored(kernel, *windowed):
+        """-> the pool [2, 16, N_KV, D] and draft buffers [2, 5, N_KV, 8, D] after `kernel` stores into zeroed ones"""
+        pool, drafts = torch.zeros(2, 16, N_KV, D), torch.zeros(2, 5, N_KV, 8, D)
+        kernel(*pool, slots, k_new, v_new, *((*drafts, *window) if windowed else ()))
+        return pool, drafts
+    eager_stored = stored(attention.store_kv, True)
     # pillar-lookup's draft columns: drafts in buffer rows 2, 0, 3 of 4, each row 6 ranked positions per (layer, KV
     # head) of a 12-position context over 5 tokens (so lookups find some), 16 columns
     selection = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(4 * 2 * N_KV)]).view(4, 2, N_KV, 6)
@@ -807,6 +826,7 @@ def test_compiled_kernels_match_eager():
         scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
         sparse_out = sparse_branch(attention._kernels["sparse"])
         attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
+        compiled_stored = stored(attention._kernels["store"], True)
         lookup = attention._kernels["lookup"](*lookup_args)
         with CompiledFrames() as compiled:
             compiled_filled = filled(attention._kernels["fill"])
@@ -825,6 +845,11 @@ def test_compiled_kernels_match_eager():
     written[2, slots] = True
     assert torch.equal(pool_k[2, slots], k_new) and torch.equal(pool_v[2, slots], v_new)
     assert not pool_k[~written].any() and not pool_v[~written].any()          # no other slot or layer touched
+    assert torch.equal(compiled_stored[0], eager_stored[0]) and torch.equal(compiled_stored[1], eager_stored[1])
+    (eager_pool_k, _), (draft_k, draft_v) = eager_stored
+    assert torch.equal(eager_pool_k[slots], k_new)
+    assert torch.equal(draft_k[2, :, 5], k_new[4]) and torch.equal(draft_v[0, :, 7], v_new[1])
+    assert torch.equal(draft_k[2, :, 6], k_new[2]) and draft_k.abs().sum(-1).gt(0).sum() == 3 * N_KV   # nothing else
     assert attention._kernels["scores"] is pillar_scores and attention._kernels["sparse"] is attention.sparse_drafts
     assert attention._kernels["store"] is attention.store_kv
     assert attention._kernels["lookup"] is attention.lookup_draft_columns
