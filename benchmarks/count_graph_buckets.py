@@ -83,6 +83,7 @@ class BucketCounter(ModelRunner):
 
 BLOCK_SIZE = 64          # the KV block size of the bench rows
 CONTEXT_CAPACITY = 8192  # positions a block table holds: the embedded model's context length
+KV_HEADS = 3             # the embedded model's (the paged kernel's chunks follow its CTAs)
 
 
 def first_positions(scores, context, budgets):
@@ -129,10 +130,12 @@ def main() -> None:
 
 def paged_kernel_shapes(buckets) -> set:
     """The shapes torch.compile specialises the paged kernel on (`kernels.paged_prepare`):
-    the batch class `kernels.kernel_batch`, query rows, chunks of the context, scored or not."""
+    the batch class `kernels.kernel_batch`, query rows, chunks of the context (blocks per chunk
+    and count), scored or not."""
     capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
     return {(kernels.kernel_batch(b.dense_batch), b.dense_queries,
-             kernels.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE)[1], b.scores)
+             kernels.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE,
+                                  kernels.kernel_batch(b.dense_batch) * KV_HEADS), b.scores)
             for b in buckets if b.dense_batch and not b.dense_runs}
 
 

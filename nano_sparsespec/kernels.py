@@ -35,10 +35,13 @@ from .flex_drafts import drafts_by_reading, flex_drafts
 from .pillar_attn import pillar_scores
 from .swapped_scores import score_inputs, score_pass
 
-# The paged kernel cuts every context at the same positions into chunks of this many positions,
-# each a CTA's work; with exact rows (`compile_kernels(exact=True)`) chunks grow so that the
+# The paged kernel cuts every context at the same positions into chunks of at least this many
+# positions, each a CTA's work, as many as bring a batch's CTAs (requests x KV heads x chunks) to
+# PAGED_CTAS (about 8 per SM of an H200): more chunks than that only add merging
+# (BENCHMARKS.md). With exact rows (`compile_kernels(exact=True)`) chunks grow so that the
 # longest context the block tables hold needs at most MAX_CHUNKS of them.
 PAGED_CHUNK = 512
+PAGED_CTAS = 1024
 MAX_CHUNKS = 16
 # Dense batches of at most this many requests (a balanced step's verifications): the paged kernel
 # sees them padded to a power of two (`kernel_batch`): one compilation serves each such class.
@@ -202,22 +205,29 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
         return
     (_, _, mask, _), = d.runs
     capacity = max(ctx.context_capacity // ctx.block_size, d.block_table.shape[1])     # blocks
+    heads = kernel_batch(d.block_table.shape[0]) * ctx.k_cache.shape[2]      # requests x KV heads
     chunk, splits = (exact_chunks(capacity, ctx.block_size) if exact_rows else
-                     paged_chunks(d.block_table.shape[1], capacity, ctx.block_size))
+                     paged_chunks(d.block_table.shape[1], capacity, ctx.block_size, heads))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits,
                                     full_blocks=not exact_rows)
 
 
-def paged_chunks(blocks: int, capacity: int, block_size: int) -> tuple[int, int]:
-    """(blocks per chunk, chunks) for a dense batch whose block tables hold `blocks` blocks, of at
-    most `capacity`: as many chunks as its longest context needs, rounded up to a power of two, so
-    a few compilations serve a batch class (a balanced step's verifications too: their outputs
-    are merged chunk by chunk, empty chunks included)."""
+def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int = 1) -> tuple[int, int]:
+    """(blocks per chunk, chunks) for a dense batch of `heads` (request, KV head) pairs whose block
+    tables hold `blocks` blocks, of at most `capacity`: as many chunks of PAGED_CHUNK positions as
+    its longest context needs, rounded up to a power of two, but no more than bring its CTAs to
+    PAGED_CTAS (then longer chunks, a power of two of PAGED_CHUNK's), so a few compilations serve a
+    batch class (a balanced step's verifications too: their outputs are merged chunk by chunk,
+    empty chunks included). One chunk is the whole table at its widest, `capacity`, so that all
+    the batch's contexts then share one compilation."""
     chunk = max(1, PAGED_CHUNK // block_size)
-    most = -(-capacity // chunk)
-    needed = -(-blocks // chunk)
-    return chunk, min(1 << (needed - 1).bit_length(), most)
+    needed = 1 << (-(-blocks // chunk) - 1).bit_length()
+    enough = 1 << (-(-PAGED_CTAS // heads) - 1).bit_length()
+    while needed > enough:
+        chunk, needed = chunk * 2, needed // 2
+    splits = min(needed, -(-capacity // chunk))
+    return (capacity, 1) if splits == 1 else (chunk, splits)
 
 
 def exact_chunks(capacity: int, block_size: int) -> tuple[int, int]:

@@ -286,10 +286,18 @@ def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(ti
 
 def test_contexts_are_cut_into_as_many_chunks_as_the_longest_needs():
     """The paged kernel's chunk count: as many chunks of PAGED_CHUNK positions as the longest context needs, rounded up
-    to a power of two and at most what the longest possible context needs."""
+    to a power of two and at most what the longest possible context needs; no more than bring the batch's CTAs
+    (requests x KV heads x chunks) to PAGED_CTAS, with chunks twice, four times ... as long instead. One chunk is the
+    whole table at its widest."""
     chunk = kernels.PAGED_CHUNK // 64                                       # blocks of 64 positions per chunk
     assert [kernels.paged_chunks(blocks, 129, 64) for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
-        [(chunk, n) for n in (1, 1, 2, 4, 8, 16, 17)]
+        [(129, 1), (129, 1), (chunk, 2), (chunk, 4), (chunk, 8), (chunk, 16), (chunk, 17)]
+    ctas = kernels.PAGED_CTAS
+    # a batch of ctas / 4 heads: up to 4 chunks; then chunks of 2, 4, 8 x PAGED_CHUNK (the last: 3 cover 129 blocks)
+    assert [kernels.paged_chunks(blocks, 129, 64, ctas // 4) for blocks in (8, 24, 33, 100, 129)] == \
+        [(129, 1), (chunk, 4), (2 * chunk, 4), (4 * chunk, 4), (8 * chunk, 3)]
+    assert {kernels.paged_chunks(blocks, 129, 64, ctas) for blocks in (1, 24, 129)} == {(129, 1)}   # enough CTAs
+    assert kernels.paged_chunks(100, 129, 64, ctas // 3) == (4 * chunk, 4)                      # 4 x 341 >= 1024
 
 
 def test_small_batches_attend_in_the_class_of_the_usual_step(monkeypatch):
