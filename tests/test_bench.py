@@ -316,7 +316,7 @@ def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
 def test_device_timeline_counts_overlaps_once_and_gaps_as_idle():
     """A traced window's device timeline: the span from the first activity's start to the last's end, busy the
     length of the activities' union (overlapping kernels count once, gaps between them are idle)."""
-    from nano_sparsespec.tools.measure import device_timeline
+    from nano_sparsespec.tools.trace import device_timeline
     assert device_timeline([]) == (0.0, 0.0)
     assert device_timeline([(5.0, 7.0)]) == (2.0, 2.0)
     # [0, 4] and [2, 3] overlap, [1, 5] extends them, idle 5-8, [8, 9], idle 9-10, [10, 12] inside [10, 13]

@@ -2,21 +2,16 @@
 
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
 position it attends to), `PeakMemory`, `CompiledFrames` (torch.compile's compilations per
-function), `kernel_table`, `device_timeline` and `StepWindow` (the kernels of a run's steps and
-how busy they kept the device, from torch.profiler),
-`StepClock` and `tenths` (where in a run its time goes), the device's copy bandwidth and the
+function), `StepClock` and `tenths` (where in a run its time goes), the device's copy bandwidth and the
 roofline peak, and the machine and git state a result records; `time_split`, where a forward's
 time goes.
 """
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
+import gc
 import os
 import platform
-import gc
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -162,121 +157,6 @@ class CompiledFrames:
                 entry[0] += 1
                 entry[1] += frame.entire_frame_compile_time_s or 0.0
         return False
-
-
-def kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
-    """torch.profiler's record `prof` of `steps` steps -> {"total_ms": all kernels' own device time
-    per step, "top": the `top` kernels by it, [{"name", "ms", "calls"}] per step}. On a CPU,
-    operators and their own CPU time instead."""
-    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
-    own = [(e.self_device_time_total if cuda else e.self_cpu_time_total) / steps / 1e3
-           for e in events]                                                # ms per step
-    ranked = sorted(zip(own, events), key=lambda pair: -pair[0])[:top]
-    return {"total_ms": round(sum(own), 4),
-            "top": [{"name": e.key, "ms": round(ms, 4), "calls": round(e.count / steps, 2)}
-                    for ms, e in ranked]}
-
-
-def device_timeline(intervals: list[tuple[float, float]]) -> tuple[float, float]:
-    """The device's activities [(start, end), ...] -> (span: the first start to the last end,
-    busy: the length of their union); span - busy is what the device sat idle between them."""
-    if not intervals:
-        return 0.0, 0.0
-    ordered = sorted(intervals)
-    busy, (start, end) = 0.0, ordered[0]
-    for a, b in ordered[1:]:
-        if a > end:                       # an idle gap: close the busy stretch
-            busy, start = busy + end - start, a
-        end = max(end, b)
-    return end - ordered[0][0], busy + end - start
-
-
-def chrome_trace(prof, keep: str | None = None) -> list[dict]:
-    """torch.profiler's record `prof` as its Chrome trace's events; `keep`: a path (.json.gz) where
-    that trace is also written."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        text = Path(path).read_text()
-    if keep:
-        Path(keep).parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(keep, "wt") as f:
-            f.write(text)
-    return json.loads(text)["traceEvents"]
-
-
-def profiled_device_timeline(events: list[dict]) -> tuple[float, float]:
-    """`device_timeline` in ms of a Chrome trace's `events`: its kernels, copies and fills."""
-    span, busy = device_timeline([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
-    return span / 1e3, busy / 1e3
-
-
-class StepWindow:
-    """torch.profiler over `count` steps of a run, from step `first` on: pass `on_step` to
-    `LLM.generate`, then `finish()` -> {"first", "steps", "ms_per_step" (wall), "works",
-    "verifications" (works that check drafts), "drafts" (means per step), "kernels"
-    (`kernel_table`), "host" (on CUDA: `kernel_table` of the host's operators and CUDA calls,
-    where a step's host time goes and which calls wait for the device), "graphs_recorded" (CUDA
-    graphs recorded inside the window), "device_span_ms" and "device_busy_ms" (`device_timeline`
-    per step; None on a CPU)}, or None if the run ended before `first`. `trace_path`: where the
-    window's Chrome trace is written (.json.gz), to read the host's and the device's timelines side
-    by side (chrome://tracing, Perfetto). The window opens after step
-    first - 1 (or the first launched after it) and closes after the count-th launched step, each at
-    a synchronisation: it holds the device work of its steps and the host-queued work (critical
-    positions refreshed) of processing as many steps before."""
-
-    def __init__(self, device: torch.device, first: int, count: int, top: int,
-                 trace_path: str | None = None):
-        self.device, self.first, self.count, self.top = device, first, count, top
-        self.trace_path = trace_path
-        self.prof, self.started, self.seconds, self.seen = None, 0.0, 0.0, []
-        self.graphs_before = self.graphs_after = 0
-
-    def on_step(self, event) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        if self.prof is None and event.step >= self.first - 1:
-            synchronize(self.device)
-            cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-            self.prof = profile(activities=[ProfilerActivity.CPU] + cuda)
-            self.prof.__enter__()
-            self.started = time.perf_counter()
-            self.graphs_before = event.graphs_recorded
-        elif self.prof is not None and not self.seconds:
-            checking = sum(w.kind == "verify" and w.num_tokens > 1 for w in event.works)
-            drafting = sum(w.kind == "draft" for w in event.works)
-            self.seen.append((event.step, len(event.works), checking, drafting))
-            self.graphs_after = event.graphs_recorded
-            if len(self.seen) == self.count:
-                self._close()
-
-    def _close(self) -> None:
-        synchronize(self.device)
-        self.seconds = time.perf_counter() - self.started
-        self.prof.__exit__(None, None, None)
-
-    def finish(self) -> dict | None:
-        if self.prof is None or not self.seen:
-            return None
-        if not self.seconds:                          # the run ended inside the window
-            self._close()
-        n = len(self.seen)
-        works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
-        cuda = self.device.type == "cuda"
-        events = chrome_trace(self.prof, self.trace_path) if cuda or self.trace_path else []
-        span, busy = profiled_device_timeline(events) if cuda else (None, None)
-
-        def per_step(ms):
-            return None if ms is None else round(ms / n, 3)
-
-        return {"first": self.seen[0][0], "steps": n,
-                "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
-                "verifications": verifications, "drafts": drafts,
-                "kernels": kernel_table(self.prof, n, cuda, self.top),
-                **({"host": kernel_table(self.prof, n, False, self.top)} if cuda else {}),
-                "graphs_recorded": self.graphs_after - self.graphs_before,
-                "device_span_ms": per_step(span), "device_busy_ms": per_step(busy)}
 
 
 def tenths(steps: int) -> list[tuple[int, int]]:

@@ -26,7 +26,8 @@ from ..llm import LLM
 from ..model import CausalLM, RotaryEmbedding
 from ..runner import ModelRunner
 from ..scheduler import Sequence, Status, Work
-from .measure import byte_model, kernel_table, model_label, synchronize, time_split
+from .measure import byte_model, model_label, synchronize, time_split
+from .trace import kernel_table
 
 # Model shapes for the step profile (random weights; no files): the fields that differ from a
 # Qwen3 model's (QWEN3_FIELDS). smollm2-135m is the embedded model's shape.

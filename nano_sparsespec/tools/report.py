@@ -19,7 +19,7 @@ def _batch_label(settings: dict) -> str:
 
 
 def _kernel_list(kernels: dict) -> str:
-    """`measure.kernel_table`'s largest kernels as 'name ms (calls); ...', names cut to 70 chars."""
+    """`trace.kernel_table`'s largest kernels as 'name ms (calls); ...', names cut to 70 chars."""
     return "; ".join(f"{x['name'][:70]} {x['ms']:.3f} ({x['calls']:g})" for x in kernels["top"])
 
 

@@ -34,8 +34,9 @@ from ..config import SamplingParams, SpecConfig
 from ..cuda_graphs import compile_seconds
 from ..device import common_prefix
 from ..llm import LLM
-from .measure import (ByteModel, CompiledFrames, PeakMemory, StepClock, StepWindow,
-                      _left_padded, hf_kv_positions, synchronize, tenths)
+from .measure import (ByteModel, CompiledFrames, PeakMemory, StepClock, _left_padded,
+                      hf_kv_positions, synchronize, tenths)
+from .trace import StepWindow
 
 DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 
