@@ -7,16 +7,15 @@ model's elementwise table and the verifier's sampling table.
 Owns
   * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
     draft columns (one fused pass over every draft's critical positions) and the draft buffers'
-    fill (one copy kernel, its slots computed as it copies); with `paged`
-    (a GPU with CUDA graphs) dense decoding and verification read the paged pool in place:
+    fill (one copy kernel); with `paged` (a GPU with CUDA graphs) dense decoding and
+    verification read the paged pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
-    `paged_dense` and `paged_attention` (flex_attention's decoding kernel, long contexts cut into
-    chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows, every step cuts
-    and visits a context alike, so a verification row gets its decode row's bits, and greedy
-    speculation stays lossless in bfloat16); a verification's PillarAttn scores come from
-    swapped_scores.py's pass, and drafts that read their rows of the draft buffers in place
-    attend through flex_drafts.py's kernel. `paged_dense` runs three pieces, each compiled as a
-    whole graph (no graph break: a break's resume function recompiles).
+    `paged_dense` and `paged_attention` (flex_attention's decoding kernel, contexts cut into
+    chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows every step cuts
+    and visits a context alike, so a verification row gets its decode row's bits); scores from
+    swapped_scores.py's pass, drafts reading their draft-buffer rows in place through
+    flex_drafts.py. `paged_dense` runs three pieces, each compiled as a whole graph (a graph
+    break's resume function recompiles).
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
 
@@ -35,20 +34,18 @@ from .flex_drafts import drafts_by_reading, flex_drafts
 from .pillar_attn import pillar_scores
 from .swapped_scores import score_inputs, score_pass
 
-# The paged kernel cuts every context at the same positions into chunks of at least this many
-# positions, each a CTA's work, as many as bring a batch's CTAs (requests x KV heads x chunks) to
-# PAGED_CTAS (about 8 per SM of an H200): more chunks than that only add merging
-# (BENCHMARKS.md). With exact rows (`compile_kernels(exact=True)`) chunks grow so that the
-# longest context the block tables hold needs at most MAX_CHUNKS of them.
+# The paged kernel cuts every context at the same positions into chunks (each a CTA's work) of at
+# least PAGED_CHUNK positions, no more than bring a batch's CTAs to PAGED_CTAS (about 8 per SM of
+# an H200; more only add merging: BENCHMARKS.md). With exact rows (`compile_kernels(exact=True)`)
+# chunks grow so that the longest context the block tables hold needs at most MAX_CHUNKS.
 PAGED_CHUNK = 512
 PAGED_CTAS = 1024
 MAX_CHUNKS = 16
 # Dense batches of at most this many requests (a balanced step's verifications): the paged kernel
 # sees them padded to a power of two (`kernel_batch`): one compilation serves each such class.
 SMALL_BATCH = 128
-# The smallest batch the paged kernel attends (`kernel_batch`): the dense batch of the engine's
-# usual step (`compile_fast_path`), so that the smaller steps of a run's start and tail attend in
-# its class (a few empty requests each) instead of compiling classes of their own.
+# The smallest batch the paged kernel attends (`kernel_batch`): the engine's usual dense batch
+# (`compile_fast_path`), so that a run's smaller start and tail steps attend in its class.
 smallest_kernel_batch = 2
 # Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
 # math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
@@ -81,10 +78,9 @@ def set_smallest_kernel_batch(dense_batch: int) -> None:
 
 
 def use_project_compile_cache() -> None:
-    """torch.compile keeps what it compiles (its inductor and Triton caches) under the project's
-    cache, so that a later process reuses it; unless the user chose a place
-    (TORCHINDUCTOR_CACHE_DIR). torch writes its default there itself once it has looked it up,
-    so that value counts as not chosen."""
+    """torch.compile keeps its inductor and Triton caches under the project's cache for later
+    processes, unless the user chose a place (TORCHINDUCTOR_CACHE_DIR; torch's own default,
+    which it writes there once looked up, counts as not chosen)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     from .embedded import cache_root
@@ -97,12 +93,11 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch and
     pillar-lookup's draft columns (dynamic shapes; float tolerance), and of the draft buffers'
     fill (`compile_fill`), into attention.py's kernel table, and with `paged` the paged dense
-    path: its attention for static shapes (as flex_attention's decoding kernel wants: one
-    compilation per batch class, query rows and chunk count), the swapped score pass and its
-    inputs for a dynamic batch and context (padded steps have at least two requests: torch
-    specialises sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for static
-    buffer rows. With `exact`, the paged kernel computes a row with the arithmetic of the same
-    row in any other step (`exact_rows`): a verification row gets its decode row's bits."""
+    path: its attention for static shapes (flex_attention's decoding kernel wants them: one
+    compilation per batch class, query rows and chunks), the swapped score pass and its inputs
+    for a dynamic batch and context (padded steps have at least two requests: torch specialises
+    sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for static buffer rows.
+    With `exact`, a verification row gets its decode row's bits (`exact_rows`)."""
     global exact_rows
     exact_rows = paged and exact
     kernels = attention._kernels
@@ -114,10 +109,9 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["fill"] = compile_fill()
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch
-        # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse): T, batch
-        # and context dynamic
-        # score_pass(scores, keys, rows, shift, q_start, Q): batch and context dynamic
+        # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
+        # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse) and
+        # score_pass(scores, keys, rows, shift, q_start, Q): T, batch and context dynamic
         _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}, small_batch_arg=2),
                       score_inputs=_static_but(score_inputs, {0: (0,), 1: (0,), 3: (0, 1),
                                                               5: (0,), 6: (0,)}),
@@ -215,12 +209,10 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
 
 def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int = 1) -> tuple[int, int]:
     """(blocks per chunk, chunks) for a dense batch of `heads` (request, KV head) pairs whose block
-    tables hold `blocks` blocks, of at most `capacity`: as many chunks of PAGED_CHUNK positions as
-    its longest context needs, rounded up to a power of two, but no more than bring its CTAs to
-    PAGED_CTAS (then longer chunks, a power of two of PAGED_CHUNK's), so a few compilations serve a
-    batch class (a balanced step's verifications too: their outputs are merged chunk by chunk,
-    empty chunks included). One chunk is the whole table at its widest, `capacity`, so that all
-    the batch's contexts then share one compilation."""
+    tables hold `blocks` blocks, of at most `capacity`: as many PAGED_CHUNK-position chunks as its
+    longest context needs, rounded up to a power of two, but no more than bring its CTAs to
+    PAGED_CTAS (then chunks a power of two times longer): a few compilations serve a batch class
+    (empty chunks merge as zeros). One chunk spans the widest table, `capacity`: one compilation."""
     chunk = max(1, PAGED_CHUNK // block_size)
     needed = 1 << (-(-blocks // chunk) - 1).bit_length()
     enough = 1 << (-(-PAGED_CTAS // heads) - 1).bit_length()
@@ -242,9 +234,8 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
                      group: int, chunk: int | None = None, splits: int = 1,
                      full_blocks: bool = True):
     """The flex_attention BlockMask that lets packed row (g, q) of request b see exactly
-    mask[b, q, :].
-
-    block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B]; q_valid: [B, Q] bool.
+    mask[b, q, :]. block_table: [B, nb]; mask: [B, Q, nb * block_size] bool; q_start: [B];
+    q_valid: [B, Q] bool.
     The key/value sequence is one layer's whole pool (pool_slots positions, shared by all
     requests). A batch of at most SMALL_BATCH requests is padded with requests that see nothing,
     up to a power of two (`kernel_batch`): flex_attention's decoding kernel is compiled for a
@@ -254,13 +245,13 @@ def paged_block_mask(block_table, mask, q_start, q_valid, block_size: int, pool_
     `full_blocks` the blocks that every real row sees whole are listed `full`, where the kernel
     skips the rule; it visits them after the others, on a second path that can round differently,
     so a row's bits then depend on the rows beside it. The padding requests of a padded step all
-    list the scratch block, which gets one owner: the others see nothing, and their rows are
-    discarded. Built on the device, no host sync.
+    list the scratch block, which gets one owner: the others see nothing (rows discarded). Built
+    on the device, no host sync.
     With `chunk` each context is cut into `splits` chunks of `chunk` blocks (at least enough for
     the context; the last ones may be empty), each seen as a request of its own (entry
     b * splits + s is chunk s of request b; `paged_attention` merges them): the decoding kernel
-    gives a (request, KV head) one CTA per split of the key sequence, so without chunks a few long
-    requests keep most SMs idle. Without `chunk` the context is one chunk (`splits` 1)."""
+    gives a (request, KV head) one CTA per split of the key sequence (`paged_chunks`). Without
+    `chunk` the context is one chunk."""
     from torch.nn.attention.flex_attention import BlockMask
 
     padding = kernel_batch(mask.shape[0]) - mask.shape[0]
@@ -388,12 +379,11 @@ def paged_attention(q, k_layer, v_layer, block_mask, with_lse: bool = False,
 def merge_chunks(out, lse):
     """Attention over whole contexts from that over their chunks: out [B, S, H, R, D], lse
     [B, S, H, R] (-inf: the chunk's row sees nothing) -> out [B, H, R, D] float32 and lse
-    [B, H, R] (-inf for a row that sees nothing, whose output is 0).
-
-    The chunks are weighted by the softmax of their log-sum-exps, summed one after the other in
-    chunk order: elementwise operations only, so that a row's result does not depend on the
-    kernel's shape (a reduction's order can). Compiled for another count of chunks, the trailing
-    empty ones add zeros but the kernel can round differently (`exact_chunks`)."""
+    [B, H, R] (-inf for a row that sees nothing, whose output is 0). The chunks are weighted by
+    the softmax of their log-sum-exps, summed one after the other in chunk order: elementwise
+    operations only, so that a row's result does not depend on the kernel's shape (a
+    reduction's order can). Compiled for another count of chunks, the trailing empty ones add
+    zeros but the kernel can round differently (`exact_chunks`)."""
     top = lse.amax(1)                                                  # [B, H, R]
     top = torch.where(top == float("-inf"), 0.0, top)
     total = torch.zeros_like(top)
