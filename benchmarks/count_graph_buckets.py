@@ -1,13 +1,17 @@
-"""How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math), and
-where its slot-steps go when every request accepts alike, or as differently as a measured row's requests.
+"""How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math),
+where its slot-steps go when every request accepts alike, or as differently as a measured row's requests,
+and what the host's work costs a step.
 
-The engine, scheduler and bucketing run as they do on the GPU; the device step is replaced by one that
-accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does), or with `spread` with a
+The engine, scheduler, bucketing and the runner's host side of a step (its lists, their packing, the block
+tables' changes) run as they do on the GPU; no graph is replayed, and the step's results are made up: each
+request accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does), or with `spread` with a
 probability of each request's own, drawn so that its mean accepted count follows the quantiles of the H200
 pillar-lookup row's requests (`SPREAD`, linear between them), and selects the budget's first positions.
 Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a request drafts or
 verifies (busy), sits out a step while its verification is in flight (stall), waits for its verify slot or
-its prefill, or the slot holds no request (empty).
+its prefill, or the slot holds no request (empty). Host milliseconds a step: the median over the steps that
+give at least 95% of the batch work, split into scheduling and launching it, and the rest of the loop
+(processing the step before's results); selections and device buffers are not touched.
 
     python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY [uniform|spread]]]
     python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced spread
@@ -16,12 +20,13 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from collections import Counter
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nano_sparsespec import LLM, SamplingParams, async_loop, kernels
+from nano_sparsespec import LLM, SamplingParams, async_loop, cuda_graphs, kernels
 from nano_sparsespec.runner import ModelRunner
 
 
@@ -51,21 +56,24 @@ def drawn_acceptance(rng: random.Random) -> float:
 
 
 class BucketCounter(ModelRunner):
-    """A runner whose device step only notes its bucket and makes up plausible results."""
+    """A runner that does the host's part of each step, notes its bucket and makes up plausible
+    results."""
     rng = random.Random(0)
     recorded = set()
     acceptance: dict = {}          # seq_id -> its per-draft acceptance probability (spread)
     spread = False
 
     def _run(self, plan, shape, static):
-        self.graphs.steps[shape] = None                       # "recorded"
+        super()._run(plan, shape, static)                     # lists, packing, table changes
         self.recorded.add(shape)
         width = max(plan.num_drafts, default=0)
         rows = []
         for (work, _), drafts in zip(plan.checks, plan.num_drafts):
             p = 0.97
             if self.spread:
-                p = self.acceptance.setdefault(work.seq.seq_id, drawn_acceptance(self.rng))
+                if work.seq.seq_id not in self.acceptance:
+                    self.acceptance[work.seq.seq_id] = drawn_acceptance(self.rng)
+                p = self.acceptance[work.seq.seq_id]
             accepted = 0
             while accepted < drafts and self.rng.random() < p:
                 accepted += 1
@@ -79,6 +87,13 @@ class BucketCounter(ModelRunner):
 
     def set_context_tokens(self, seqs):
         pass
+
+
+def replay_nothing(graphs, shape, packed, names):
+    """`StepGraphs.run` that notes the bucket "recorded" and returns zeros of its outputs' shapes."""
+    graphs.steps[shape] = None
+    scores = torch.zeros(1, shape.dense_batch, 1, 1) if shape.scores else None
+    return torch.zeros(shape.checks, 3 + shape.check_drafts, dtype=torch.long), scores
 
 
 BLOCK_SIZE = 64          # the KV block size of the bench rows
@@ -101,14 +116,20 @@ def main() -> None:
                                  num_attention_heads=1, num_key_value_heads=1,
                                  max_position_embeddings=CONTEXT_CAPACITY, eos_token_id=255)).save_pretrained(path)
     async_loop.pillar_attn.top_positions = first_positions
+    cuda_graphs.StepGraphs.run = replay_nothing
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
               runner_class=BucketCounter, async_verify=policy == "balanced")
     kernels.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
-    slot_steps = Counter()
+    slot_steps, host = Counter(), []       # host: (seconds since the step before, launching)
+    last = [None]
 
     def count_slots(event):
+        now = time.perf_counter()
+        if last[0] is not None and len(event.works) >= 0.95 * batch:
+            host.append((now - last[0], event.launch_seconds))
+        last[0] = now
         working = {id(w.seq) for w in event.works}
         slot_steps["busy"] += len(working)
         slot_steps["empty"] += batch - len(event.running) - len(event.offloaded)
@@ -126,6 +147,10 @@ def main() -> None:
     print("slot-steps: " + ", ".join(f"{kind} {slot_steps[kind] / total:.1%}"
                                      for kind in ("busy", "stall", "wait", "empty"))
           + (f"; mean accepted {statistics.mean(accepted):.2f}" if accepted else ""))
+    if host:
+        whole, launch = (1e3 * statistics.median(t) for t in zip(*host))
+        print(f"host a step ({len(host)} steps with 95% of the batch working, median): {whole:.2f} ms, "
+              f"scheduling and launching {launch:.2f}, the rest (processing results) {whole - launch:.2f}")
 
 
 def paged_kernel_shapes(buckets) -> set:
