@@ -11,8 +11,8 @@ Must not know about models, requests or scheduling.
 """
 from __future__ import annotations
 
-import array
 import math
+import struct
 
 import torch
 
@@ -29,9 +29,18 @@ def to_device(data, dtype: torch.dtype, device=None) -> torch.Tensor:
 def long_tensor(ints: list[int]) -> torch.Tensor:
     """A flat list of Python ints as a Long CPU tensor [len(ints)].
 
-    Goes through a typed array, which is cheaper on the host than `torch.tensor` on a list."""
-    return (torch.frombuffer(array.array("q", ints), dtype=torch.long) if ints
-            else torch.zeros(0, dtype=torch.long))
+    Packed as 64-bit ints by `struct`, which converts a list several times faster than
+    `torch.tensor` or `array`; OverflowError naming the first int out of range."""
+    if not ints:
+        return torch.zeros(0, dtype=torch.long)
+    try:
+        data = bytearray(struct.pack(f"{len(ints)}q", *ints))
+    except struct.error:
+        bad = next((i for i in ints if not -2**63 <= i < 2**63), None)
+        if bad is None:
+            raise
+        raise OverflowError(f"{bad} does not fit a 64-bit integer") from None
+    return torch.frombuffer(data, dtype=torch.long)
 
 
 class Packed:

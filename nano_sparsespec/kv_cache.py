@@ -34,15 +34,17 @@ class BlockPool:
 
     def grow(self, seq_id: int, extra_tokens: int) -> None:
         """Add `extra_tokens` positions to `seq_id`, taking blocks as needed (KVCacheFull)."""
-        need = self.blocks_needed(seq_id, extra_tokens)
+        # (`blocks_needed` inline: a step grows most of its requests, most within their last block)
+        length = self.lengths.get(seq_id, 0) + extra_tokens
+        need = -(-length // self.block_size) - len(self.tables.get(seq_id, ()))
         if need > len(self.free):
             raise KVCacheFull(f"{self.name} KV pool exhausted: request {seq_id} needs {need} more "
                               f"block(s) of {self.block_size} tokens, "
                               f"{len(self.free)} of {self.num_blocks} free")
         table = self.tables.setdefault(seq_id, [])
-        if need:
+        if need > 0:
             table.extend(self.free.popleft() for _ in range(need))
-        self.lengths[seq_id] = self.lengths.get(seq_id, 0) + extra_tokens
+        self.lengths[seq_id] = length
 
     def shrink(self, seq_id: int, n_tokens: int) -> None:
         """Drop the last `n_tokens` positions of `seq_id`; emptied blocks go back free."""
