@@ -211,8 +211,9 @@ class Engine:
         self.stats.steps += 1
         self.stats.tokens_per_step.append(sum(w.num_tokens for w in works))
         self.stats.kv_positions_per_step.append(kv_positions)
-        self.stats.verifications_per_step.append(sum(w.kind == "verify" for w in works))
-        self.stats.drafts_per_step.append(sum(w.kind == "draft" for w in works))
+        kinds = [w.kind for w in works]
+        self.stats.verifications_per_step.append(kinds.count("verify"))
+        self.stats.drafts_per_step.append(kinds.count("draft"))
         if self.observers.on_step is not None:
             s, graphs = self.scheduler, self.runner.graphs
             self.observers.on_step(StepEvent(

@@ -53,7 +53,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """One request: its tokens, its place in the phase clock and its speculation statistics.
     Compared by identity: two requests with the same tokens are two requests."""
@@ -113,7 +113,7 @@ class Sequence:
         return len(self.tokens) - 1
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Work:
     """One request's share of a step."""
     seq: Sequence
@@ -170,7 +170,7 @@ class Scheduler:
     def batch_growth(self) -> float:
         """How many times as many requests will decode once the prefilling and waiting ones are
         in (a run's start), 1 for a batch that is full or shrinking."""
-        decoding = sum(s.status != Status.PREFILL for s in self.running)
+        decoding = len(self.running) - [s.status for s in self.running].count(Status.PREFILL)
         ahead = min(self.spec.max_batch, len(self.running) + len(self.waiting))
         return ahead / decoding if decoding else 1.0
 
@@ -242,10 +242,9 @@ class Scheduler:
     def draft_limit(self, seq: Sequence, committing: int = 0) -> int:
         """Drafts worth making this cycle: at most k, no more than the tokens and context left
         (once `committing` more tokens are committed)."""
-        held = len(seq.tokens) + committing
-        remaining = seq.params.max_new_tokens - (held - len(seq.prompt_ids))
-        room = self.max_len - held - 1
-        return max(0, min(self.spec.stride, remaining - 1, room))
+        # the most tokens it may hold, less the one its verification adds
+        most = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_len) - 1
+        return max(0, min(self.spec.stride, most - len(seq.tokens) - committing))
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> list[Work]:

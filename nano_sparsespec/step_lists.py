@@ -93,7 +93,7 @@ class StepLists:
 
     def shape(self, plan: StepPlan) -> StepShape:
         """The step's own sizes (no rounding)."""
-        dense, sparse = [w for w, _ in plan.dense], [w for w, _ in plan.sparse]
+        dense = [w for w, _ in plan.dense]
         q_max = max((w.num_tokens for w in dense), default=0)
         # shorter dense requests' padding queries need a padding row (a whole token's work)
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
@@ -102,29 +102,28 @@ class StepLists:
             return tuple(verifier.SamplingTensors.host_flags(list(params.values())).items())
         context = max((w.start + w.num_tokens for w in dense), default=0)
         pillar = self.spec.method in ("pillar", "pillar-lookup")
+        # the drafts' widest reads (lists, then max: the cheapest on the host for ~B drafts); a
+        # draft's window: the positions since its request's last verification, its own included,
+        # and a draft ahead's the drafts in flight too (all of them may be accepted)
+        rows = [w.seq.row for w, _ in plan.sparse]
+        verified = [w.seq.num_verified for w, _ in plan.sparse]
+        windows = [w.start + 1 - v + (w.seq.num_drafts if w.ahead else 0)
+                   for (w, _), v in zip(plan.sparse, verified)]
         return StepShape(
             tokens=plan.num_tokens + has_padding,
             dense_batch=len(dense), dense_queries=q_max,
             dense_blocks=-(-context // self.cache.block_size),
             # (checks: verifications, last chunks) of requests that draft again
             scores=pillar and any(not w.seq.decodes_plainly for w, _ in plan.checks),
-            sparse_batch=len(sparse), sparse_rows=max((w.seq.row + 1 for w in sparse), default=0),
-            selection_width=max((self.selection_len[w.seq.row] for w in sparse), default=0),
-            window=max((self._window(w) + (w.seq.num_drafts if w.ahead else 0)
-                        for w in sparse), default=0),
-            lookup_context=max((w.seq.num_verified for w in sparse), default=0)
-            if self.spec.method == "pillar-lookup" else 0,
+            sparse_batch=len(rows), sparse_rows=max(rows, default=-1) + 1,
+            selection_width=max(map(self.selection_len.__getitem__, rows), default=0),
+            window=max(windows, default=0),
+            lookup_context=max(verified, default=0) if self.spec.method == "pillar-lookup" else 0,
             drafts=len(plan.drafts), checks=len(plan.checks),
             check_drafts=max(plan.num_drafts, default=0),
             draft_flags=flags(plan.drafts) if plan.drafts else (),
             check_flags=flags(plan.checks) if plan.checks else (),
             dense_runs=self._dense_runs(dense))
-
-    @staticmethod
-    def _window(w: Work) -> int:
-        """The positions a draft attends to since its request's last verification, its own
-        included (a draft ahead: if none of the drafts in flight is accepted)."""
-        return w.start - w.seq.num_verified + 1
 
     def _dense_runs(self, dense: list[Work]) -> tuple:
         """(first, count, query rows, context blocks, prefill) of each run of dense requests,
@@ -230,18 +229,30 @@ class StepLists:
         return lists
 
     def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
-        seqs = [w.seq for w, _ in sparse]
-        lists = {"sparse_first_row": [r for _, r in sparse], "sparse_row": [s.row for s in seqs],
-                 "sparse_n_sel": [self.selection_len[s.row] for s in seqs],
-                 "sparse_window": [self._window(w) for w, _ in sparse]}
-        if self.spec.method == "pillar-lookup":
-            lists["sparse_verified"] = [s.num_verified for s in seqs]
-            # The token before each draft's input: committed (in context_tokens, the pending one
-            # included) or a draft (draft_tokens index j holds position num_verified + 1 + j).
-            prev = [w.start - 1 for w, _ in sparse]
-            lists["prev_committed"] = [min(p, s.num_verified) for p, s in zip(prev, seqs)]
-            lists["prev_drafted"] = [max(0, p - s.num_verified - 1) for p, s in zip(prev, seqs)]
-            lists["prev_in_context"] = [int(p <= s.num_verified) for p, s in zip(prev, seqs)]
+        lookup = self.spec.method == "pillar-lookup"
+        first_row, row, n_sel, window = [], [], [], []
+        verified, prev_committed, prev_drafted, prev_in_context = [], [], [], []
+        for w, r in sparse:          # one pass: a step's drafts are most of its works
+            seq, num_verified = w.seq, w.seq.num_verified
+            first_row.append(r)
+            row.append(seq.row)
+            n_sel.append(self.selection_len[seq.row])
+            # its window (`shape`); for a draft ahead the device adds the drafts accepted
+            window.append(w.start - num_verified + 1)
+            if lookup:
+                # The token before the draft's input: committed (in context_tokens, the pending
+                # one included) or a draft (draft_tokens index j holds position
+                # num_verified + 1 + j).
+                prev = w.start - 1
+                verified.append(num_verified)
+                prev_committed.append(min(prev, num_verified))
+                prev_drafted.append(max(0, prev - num_verified - 1))
+                prev_in_context.append(int(prev <= num_verified))
+        lists = {"sparse_first_row": first_row, "sparse_row": row, "sparse_n_sel": n_sel,
+                 "sparse_window": window}
+        if lookup:
+            lists.update(sparse_verified=verified, prev_committed=prev_committed,
+                         prev_drafted=prev_drafted, prev_in_context=prev_in_context)
         return lists
 
     @staticmethod
