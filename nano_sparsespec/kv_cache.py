@@ -112,9 +112,20 @@ class KVCache:
 
     def reserve(self, seq_id: int, end: int) -> None:
         """Reserve slots up to position `end` (exclusive) of `seq_id`, if it holds fewer."""
-        extra = end - self.pool.lengths.get(seq_id, 0)
-        if extra > 0:
-            self.pool.grow(seq_id, extra)
+        self.reserve_each([(seq_id, end)])
+
+    def reserve_each(self, ends: list[tuple[int, int]]) -> None:
+        """`reserve` for each (seq_id, end) of `ends`, in order: a step's requests in one call, most
+        of them within their last block (no new block: only the length moves)."""
+        lengths, tables = self.pool.lengths, self.pool.tables
+        for seq_id, end in ends:
+            length = lengths.get(seq_id, 0)
+            if end <= length:
+                continue
+            if end <= len(tables.get(seq_id, ())) * self.block_size:
+                lengths[seq_id] = end
+            else:
+                self.pool.grow(seq_id, end - length)
 
     def rollback(self, seq_id: int, n_tokens: int) -> None:
         """Forget the last `n_tokens` positions of `seq_id` (rejected drafts)."""

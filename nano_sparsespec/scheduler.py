@@ -242,9 +242,10 @@ class Scheduler:
     def draft_limit(self, seq: Sequence, committing: int = 0) -> int:
         """Drafts worth making this cycle: at most k, no more than the tokens and context left
         (once `committing` more tokens are committed)."""
-        # the most tokens it may hold, less the one its verification adds
-        most = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_len) - 1
-        return max(0, min(self.spec.stride, most - len(seq.tokens) - committing))
+        # tokens it may still take, less the one its verification adds (most requests: k or more)
+        left = (min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_len) - 1
+                - len(seq.tokens) - committing)
+        return self.spec.stride if left >= self.spec.stride else max(left, 0)
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> list[Work]:
@@ -266,9 +267,9 @@ class Scheduler:
             else:
                 raise RuntimeError(f"KV pool of {self.cache.pool.num_blocks} blocks cannot hold "
                                    f"the step even after offloading every other request")
+        self.cache.reserve_each([(w.seq.seq_id, w.end) for w in works])
         for w in works:  # bookkeeping that does not depend on this step's results
             seq = w.seq
-            self.cache.reserve(seq.seq_id, w.end)
             if w.kind == "draft":
                 if w.ahead:              # counted once its verification's result is in
                     seq.drafted_ahead = True

@@ -63,6 +63,23 @@ def test_reserve_covers_positions_up_to_an_end_and_never_shrinks():
     assert cache.length(0) == 5 and cache.free_blocks() == 1   # a failed reserve takes nothing
 
 
+def test_reserving_a_steps_requests_at_once_matches_one_at_a_time():
+    # within the last block (length only), crossing into a new block, a new request, held already,
+    # an end of 0 (nothing)
+    ends = [(0, 6), (1, 9), (2, 3), (0, 5), (3, 0)]
+    one_by_one, at_once = make_cache(), make_cache()
+    for cache in (one_by_one, at_once):
+        cache.append(0, 5)                                      # 2 blocks of 4: room for 8
+        cache.append(1, 8)                                      # 2 blocks, full
+    for seq_id, end in ends:                                    # through `append` (grow)
+        if end > one_by_one.length(seq_id):
+            one_by_one.append(seq_id, end - one_by_one.length(seq_id))
+    at_once.reserve_each(ends)
+    assert at_once.pool.lengths == one_by_one.pool.lengths == {0: 6, 1: 9, 2: 3}
+    assert at_once.pool.tables == one_by_one.pool.tables
+    assert [len(at_once.pool.tables[i]) for i in range(3)] == [2, 3, 1]
+
+
 def test_block_tables_and_slots_of_interleaved_requests():
     cache = make_cache()
     cache.append(0, 5)          # request 0 takes blocks 0, 1
