@@ -34,7 +34,7 @@ class BlockPool:
 
     def grow(self, seq_id: int, extra_tokens: int) -> None:
         """Add `extra_tokens` positions to `seq_id`, taking blocks as needed (KVCacheFull)."""
-        # (`blocks_needed` inline: a step grows most of its requests, most within their last block)
+        # (`blocks_needed`, inline: each lookup once)
         length = self.lengths.get(seq_id, 0) + extra_tokens
         need = -(-length // self.block_size) - len(self.tables.get(seq_id, ()))
         if need > len(self.free):
