@@ -34,17 +34,15 @@ class BlockPool:
 
     def grow(self, seq_id: int, extra_tokens: int) -> None:
         """Add `extra_tokens` positions to `seq_id`, taking blocks as needed (KVCacheFull)."""
-        # (`blocks_needed`, inline: each lookup once)
-        length = self.lengths.get(seq_id, 0) + extra_tokens
-        need = -(-length // self.block_size) - len(self.tables.get(seq_id, ()))
+        need = self.blocks_needed(seq_id, extra_tokens)
         if need > len(self.free):
             raise KVCacheFull(f"{self.name} KV pool exhausted: request {seq_id} needs {need} more "
                               f"block(s) of {self.block_size} tokens, "
                               f"{len(self.free)} of {self.num_blocks} free")
         table = self.tables.setdefault(seq_id, [])
-        if need > 0:
+        if need:
             table.extend(self.free.popleft() for _ in range(need))
-        self.lengths[seq_id] = length
+        self.lengths[seq_id] = self.lengths.get(seq_id, 0) + extra_tokens
 
     def shrink(self, seq_id: int, n_tokens: int) -> None:
         """Drop the last `n_tokens` positions of `seq_id`; emptied blocks go back free."""
