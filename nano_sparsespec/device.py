@@ -47,21 +47,27 @@ class Packed:
     """Named integer lists sent to the device in one copy.
 
     `flat` [N] Long on the device; `shapes` (name -> shape, in order) its layout. A value is a flat
-    list of ints ([N]) or a non-empty list of equal-length lists ([N, M])."""
+    list of ints ([N]), a non-empty list of equal-length lists ([N, M]), or a Long CPU tensor of
+    either shape (lists computed at once for a whole batch)."""
 
-    def __init__(self, lists: dict[str, list], device=None):
-        flat, self.shapes = [], {}
+    def __init__(self, lists: dict[str, list | torch.Tensor], device=None):
+        parts, ints, self.shapes = [], [], {}      # ints: the lists since the last tensor
         for name, values in lists.items():
-            if values and isinstance(values[0], (list, tuple)):
+            if isinstance(values, torch.Tensor):
+                self.shapes[name] = tuple(values.shape)
+                parts += [long_tensor(ints), values.to(torch.long).flatten()]
+                ints = []
+            elif values and isinstance(values[0], (list, tuple)):
                 self.shapes[name] = (len(values), len(values[0]))
                 for row in values:
                     if len(row) != len(values[0]):
                         raise ValueError(f"{name}: rows of {len(values[0])} and {len(row)} values")
-                    flat += row
+                    ints += row
             else:
                 self.shapes[name] = (len(values),)
-                flat += values
-        self.flat = to_device(long_tensor(flat), torch.long, device)
+                ints += values
+        flat = torch.cat(parts + [long_tensor(ints)]) if parts else long_tensor(ints)
+        self.flat = to_device(flat, torch.long, device)
 
     def size(self, names) -> int:
         """Elements the lists `names` take."""

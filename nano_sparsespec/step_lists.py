@@ -4,20 +4,27 @@ Owns
   * `StepPlan`: a step's works sorted by what they need (dense attention, sparse drafts, draft
     sampling, verification), each with its first row in the step's flat token list;
   * `StepShape`: the sizes its device tensors are built with (its own, or a CUDA-graph bucket's);
+  * `WorkColumns`: what a step's works need, one column per quantity: most of a step's works are
+    one-token drafts or decodes, and their lists come from these columns in a few tensor
+    operations each, not request by request;
   * `StepLists`: every index list the device step is built from (token inputs, positions and KV
     slots, the dense and sparse batches, the draft and check rows), each padded to the step's
     shape so that they travel in one copy (`device.Packed`), and the block-table changes.
 
-Must not touch device tensors: it writes Python lists; runner.py turns them into tensors.
+Must not touch device tensors: it writes Python lists and CPU tensors; runner.py sends them.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
 
 from . import verifier
 from .config import SpecConfig
-from .device import common_prefix
+from .device import common_prefix, long_tensor
 from .kv_cache import KVCache
 from .scheduler import Sequence, Work
 
@@ -44,6 +51,21 @@ class StepShape:
                              #   prefill chunks (`StepLists._dense_runs`); () all together
 
 
+class WorkColumns(NamedTuple):
+    """A step's works (or its drafts only), one [W] Long CPU tensor per quantity."""
+    first_row: torch.Tensor    # its first row in the step's flat token list
+    num_tokens: torch.Tensor   # its token rows (`Work.num_tokens`)
+    start: torch.Tensor        # the position of its first token (a draft ahead's if none of the
+                               #   drafts in flight is accepted)
+    row: torch.Tensor          # its request's runner row
+    verified: torch.Tensor     # its request's verified positions (`Sequence.num_verified`)
+    pending: torch.Tensor      # its request's pending token, the one at position `verified`
+    ahead: torch.Tensor        # 1 for a draft ahead of its verification's result (`Work.ahead`)
+    in_flight: torch.Tensor    # ... the drafts that verification checks; 0 for other works
+    n_sel: torch.Tensor        # critical positions its request's latest selection holds
+    is_draft: torch.Tensor     # 1 for a draft
+
+
 @dataclass
 class StepPlan:
     """A step's works sorted by what they need, each with its first row in the flat token list."""
@@ -54,6 +76,8 @@ class StepPlan:
     checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications, last chunks
     num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
     num_tokens: int = 0                                            # T: the step's token rows
+    # (`StepLists.columns`: made once, the shape and the lists both read them)
+    columns: tuple[WorkColumns, WorkColumns] | None = None          # (works, drafts)
 
     @staticmethod
     def of(works: list[Work], method: str) -> "StepPlan":
@@ -102,23 +126,24 @@ class StepLists:
             return tuple(verifier.SamplingTensors.host_flags(list(params.values())).items())
         context = max((w.start + w.num_tokens for w in dense), default=0)
         pillar = self.spec.method in ("pillar", "pillar-lookup")
-        # the drafts' widest reads (lists, then max: the cheapest on the host for ~B drafts); a
-        # draft's window: the positions since its request's last verification, its own included,
-        # and a draft ahead's the drafts in flight too (all of them may be accepted)
-        rows = [w.seq.row for w, _ in plan.sparse]
-        verified = [w.seq.num_verified for w, _ in plan.sparse]
-        windows = [w.start + 1 - v + (w.seq.num_drafts if w.ahead else 0)
-                   for (w, _), v in zip(plan.sparse, verified)]
+        # the drafts' widest reads; a draft's window: the positions since its request's last
+        # verification, its own included, and a draft ahead's the drafts in flight too (all of
+        # them may be accepted)
+        sparse_rows = selection_width = window = verified = 0
+        if plan.sparse:
+            _, c = self.columns(plan)
+            sparse_rows, selection_width = int(c.row.max()) + 1, int(c.n_sel.max())
+            window = int((c.start + 1 - c.verified + c.in_flight).max())
+            verified = int(c.verified.max())
         return StepShape(
             tokens=plan.num_tokens + has_padding,
             dense_batch=len(dense), dense_queries=q_max,
             dense_blocks=-(-context // self.cache.block_size),
             # (checks: verifications, last chunks) of requests that draft again
             scores=pillar and any(not w.seq.decodes_plainly for w, _ in plan.checks),
-            sparse_batch=len(rows), sparse_rows=max(rows, default=-1) + 1,
-            selection_width=max(map(self.selection_len.__getitem__, rows), default=0),
-            window=max(windows, default=0),
-            lookup_context=max(verified, default=0) if self.spec.method == "pillar-lookup" else 0,
+            sparse_batch=len(plan.sparse), sparse_rows=sparse_rows,
+            selection_width=selection_width, window=window,
+            lookup_context=verified if self.spec.method == "pillar-lookup" else 0,
             drafts=len(plan.drafts), checks=len(plan.checks),
             check_drafts=max(plan.num_drafts, default=0),
             draft_flags=flags(plan.drafts) if plan.drafts else (),
@@ -155,15 +180,15 @@ class StepLists:
                            dense_row=scratch_row, sparse_row=scratch_row,
                            draft_row=scratch_row, check_row=scratch_row)
 
-    def lists(self, plan: StepPlan, shape: StepShape) -> dict[str, list]:
+    def lists(self, plan: StepPlan, shape: StepShape) -> dict[str, list | torch.Tensor]:
         """Every index list the step's tensors are built from, padded to its length in `shape`."""
-        groups = [(self._token_lists(plan.works), shape.tokens)]
+        groups = [(self._token_lists(plan), shape.tokens)]
         if plan.dense:
             groups.append((self._dense_lists(plan.dense, shape.scores), shape.dense_batch))
         if plan.sparse:
-            groups.append((self._sparse_lists(plan.sparse), shape.sparse_batch))
+            groups.append((self._sparse_lists(plan), shape.sparse_batch))
         if plan.drafts:
-            groups.append((self._draft_lists(plan.drafts), shape.drafts))
+            groups.append((self._draft_lists(plan), shape.drafts))
         if plan.checks:
             groups.append((self._check_lists(plan, shape.scores, shape.check_drafts),
                            shape.checks))
@@ -171,11 +196,29 @@ class StepLists:
         for group, length in groups:
             for name, values in group.items():
                 fill = padding[name]
+                if isinstance(values, torch.Tensor):
+                    lists[name] = F.pad(values, (0, length - len(values)), value=fill)
+                    continue
                 entry = [fill] * len(values[0]) if isinstance(values[0], list) else fill
                 lists[name] = values + [entry] * (length - len(values))
         return lists
 
-    def _token_lists(self, works: list[Work]) -> dict[str, list]:
+    def columns(self, plan: StepPlan) -> tuple[WorkColumns, WorkColumns]:
+        """The `WorkColumns` of the plan's works, and of its drafts only."""
+        if plan.columns is None:
+            flat, sel = [], self.selection_len
+            for w in plan.works:        # the one pass over the works, into one flat list
+                seq, row = w.seq, w.seq.row
+                flat += (w.num_tokens, w.start, row, len(seq.tokens) - 1, seq.tokens[-1], w.ahead,
+                         seq.num_drafts if w.ahead else 0, sel[row], w.kind == "draft")
+            matrix = long_tensor(flat).view(len(plan.works), len(WorkColumns._fields) - 1)  # [W, 9]
+            num_tokens = matrix[:, 0]
+            matrix = torch.cat([(num_tokens.cumsum(0) - num_tokens)[:, None], matrix], dim=1)
+            plan.columns = (WorkColumns(*matrix.unbind(1)),
+                            WorkColumns(*matrix[matrix[:, -1] == 1].unbind(1)))
+        return plan.columns
+
+    def _token_lists(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """input_ids, positions and runner rows of the step's tokens [T] (the device finds each
         token's KV slot in its row's block table); feed_from: a device draft input's flat index in
         the draft buffer [rows + 1, k + 1], else -1. Drafts are fed from the device: the draft at
@@ -183,37 +226,24 @@ class StepLists:
         verification's next token right after the drafts it accepted. ahead: 1 for a draft ahead
         of its verification's result, whose position and input the device moves on by the
         accepted count (`Work.ahead`)."""
-        ids, positions, rows, feed_from, ahead = [], [], [], [], []
-        k, ngram = self.token_columns, self.spec.method == "ngram"
-        for w in works:
-            seq, start, n = w.seq, w.start, w.num_tokens
-            first_draft = len(seq.tokens)                        # num_verified + 1
-            if w.kind == "prefill":
-                ids += seq.tokens[start:start + n]
-                feed_from += [-1] * n
-            elif n == 1:   # a decode step's or a draft step's one token: most works, kept cheap
-                positions.append(start)
-                rows.append(seq.row)
-                ahead.append(int(w.ahead))
-                if start < first_draft:                          # the pending token
-                    ids.append(seq.tokens[-1])
-                    feed_from.append(-1)
-                else:
-                    ids.append(0)
-                    feed_from.append(seq.row * k + start - first_draft)
-                continue
-            elif ngram:    # a verification of n-gram drafts (host-side drafts)
-                ids += [seq.tokens[-1]] + seq.ngram_drafts[:n - 1]
-                feed_from += [-1] * n
-            else:          # a verification: the pending token, then its drafts
-                ids += [seq.tokens[-1]] + [0] * (n - 1)
-                feed_from += [seq.row * k + p - first_draft if p >= first_draft else -1
-                              for p in range(start, start + n)]
-            positions += range(start, start + n)
-            rows += [seq.row] * n
-            ahead += [0] * n
-        return {"input_ids": ids, "positions": positions, "token_row": rows, "feed_from": feed_from,
-                "ahead": ahead}
+        c, _ = self.columns(plan)
+        work = torch.repeat_interleave(c.num_tokens)              # [T] each token row's work
+        positions = c.start[work] + torch.arange(plan.num_tokens) - c.first_row[work]  # [T]
+        first_draft = c.verified[work] + 1
+        feed_from = torch.where(positions >= first_draft,
+                                c.row[work] * self.token_columns + positions - first_draft, -1)
+        # the pending token is fed from the host; a draft (or a drafted position) from the device
+        input_ids = torch.where(positions == first_draft - 1, c.pending[work], 0)
+        # prefill chunks and verifications of n-gram drafts bring every token from the host
+        ngram = self.spec.method == "ngram"
+        for w, r in plan.dense:
+            if w.kind == "prefill" or (ngram and w.num_tokens > 1):
+                seq, n = w.seq, w.num_tokens
+                ids = (seq.tokens[w.start:w.start + n] if w.kind == "prefill"
+                       else [seq.tokens[-1]] + seq.ngram_drafts[:n - 1])
+                input_ids[r:r + n], feed_from[r:r + n] = long_tensor(ids), -1
+        return {"input_ids": input_ids, "positions": positions, "token_row": c.row[work],
+                "feed_from": feed_from, "ahead": c.ahead[work]}
 
     @staticmethod
     def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
@@ -228,40 +258,26 @@ class StepLists:
                                    for w, _ in dense]
         return lists
 
-    def _sparse_lists(self, sparse: list[tuple[Work, int]]) -> dict[str, list]:
-        lookup = self.spec.method == "pillar-lookup"
-        first_row, row, n_sel, window = [], [], [], []
-        verified, prev_committed, prev_drafted, prev_in_context = [], [], [], []
-        for w, r in sparse:          # one pass: a step's drafts are most of its works
-            seq, num_verified = w.seq, w.seq.num_verified
-            first_row.append(r)
-            row.append(seq.row)
-            n_sel.append(self.selection_len[seq.row])
-            # its window (`shape`); for a draft ahead the device adds the drafts accepted
-            window.append(w.start - num_verified + 1)
-            if lookup:
-                # The token before the draft's input: committed (in context_tokens, the pending
-                # one included) or a draft (draft_tokens index j holds position
-                # num_verified + 1 + j).
-                prev = w.start - 1
-                verified.append(num_verified)
-                prev_committed.append(min(prev, num_verified))
-                prev_drafted.append(max(0, prev - num_verified - 1))
-                prev_in_context.append(int(prev <= num_verified))
-        lists = {"sparse_first_row": first_row, "sparse_row": row, "sparse_n_sel": n_sel,
-                 "sparse_window": window}
-        if lookup:
-            lists.update(sparse_verified=verified, prev_committed=prev_committed,
-                         prev_drafted=prev_drafted, prev_in_context=prev_in_context)
+    def _sparse_lists(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        _, c = self.columns(plan)
+        # its window (`shape`); for a draft ahead the device adds the drafts accepted
+        lists = {"sparse_first_row": c.first_row, "sparse_row": c.row, "sparse_n_sel": c.n_sel,
+                 "sparse_window": c.start - c.verified + 1}
+        if self.spec.method == "pillar-lookup":
+            # The token before the draft's input: committed (in context_tokens, the pending one
+            # included) or a draft (draft_tokens index j holds position num_verified + 1 + j).
+            prev = c.start - 1
+            lists.update(sparse_verified=c.verified, prev_committed=torch.minimum(prev, c.verified),
+                         prev_drafted=(prev - c.verified - 1).clamp(min=0),
+                         prev_in_context=(prev <= c.verified).long())
         return lists
 
-    @staticmethod
-    def _draft_lists(drafts: list[tuple[Work, int]]) -> dict[str, list]:
-        return {"draft_logit_row": [r for _, r in drafts],
-                "draft_row": [w.seq.row for w, _ in drafts],
+    def _draft_lists(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        _, c = self.columns(plan)
+        return {"draft_logit_row": c.first_row, "draft_row": c.row,
                 # (a draft ahead is its request's next cycle's first)
-                "draft_index": [0 if w.ahead else w.start - w.seq.num_verified for w, _ in drafts],
-                "draft_position": [w.start + 1 for w, _ in drafts]}
+                "draft_index": (c.start - c.verified) * (1 - c.ahead),
+                "draft_position": c.start + 1}
 
     def _check_lists(self, plan: StepPlan, with_scores: bool, m_max: int) -> dict[str, list]:
         """Verifications and last prefill chunks: each one's last token row (a verification's

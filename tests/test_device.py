@@ -18,6 +18,16 @@ def test_packed_lists_come_back_as_named_tensors_of_their_shapes():
     assert packed.flat.tolist() == [9, 6, 7, 1, 2, 3, 4]
 
 
+def test_packed_tensors_and_lists_keep_their_order():
+    """CPU tensors (lists made at once for a batch) travel beside Python lists, in the order given."""
+    packed = Packed({"ids": [5, 6], "rows": torch.tensor([[1, 2], [3, 4]]), "flags": torch.tensor([True, False]),
+                     "changes": [[7, 8, 9]], "last": torch.tensor([10])})
+    assert packed.shapes == {"ids": (2,), "rows": (2, 2), "flags": (2,), "changes": (1, 3), "last": (1,)}
+    assert packed.flat.tolist() == [5, 6, 1, 2, 3, 4, 1, 0, 7, 8, 9, 10] and packed.flat.dtype == torch.long
+    got = packed.views()
+    assert got["rows"].tolist() == [[1, 2], [3, 4]] and got["last"].tolist() == [10]
+
+
 def test_a_static_copy_holds_a_leading_part_of_the_layout():
     packed = Packed({"ids": [5, 6], "rows": [[1, 2]], "changes": [7, 8, 9]})
     static = torch.zeros(packed.size(["ids", "rows"]), dtype=torch.long)

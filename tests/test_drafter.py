@@ -173,9 +173,9 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
         selections.update({seq.row: positions[b, ..., :w] for b, (seq, w) in enumerate(zip(seqs, widths))})
         return set_selections(self, seqs, positions, widths)
 
-    def noted_lists(self, sparse):
-        drafting[:] = [(w.seq, w.seq.num_drafts) for w, _ in sparse]
-        return sparse_lists(self, sparse)
+    def noted_lists(self, plan):
+        drafting[:] = [(w.seq, w.seq.num_drafts) for w, _ in plan.sparse]
+        return sparse_lists(self, plan)
 
     def noted_lookup(seen, selection, rows, n_sel, *rest):                # merge_lookup's arguments
         found_at, found_valid, columns = attention.lookup_draft_columns(seen, selection, rows, n_sel, *rest)
