@@ -255,18 +255,7 @@ class Engine:
         self.stats.process_seconds += time.perf_counter() - start
 
     def _commit(self, seq: Sequence, new_tokens: list[int], accepted: int) -> None:
-        committed, reason = [], None
-        for token in new_tokens:
-            seq.tokens.append(token)
-            committed.append(token)
-            if token in self.eos and not seq.params.ignore_eos:
-                reason = "stop"
-            elif seq.num_output >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_len:
-                reason = "length"
-            elif seq.params.stop and self._hit_stop_string(seq):
-                reason = "stop"
-            if reason:
-                break
+        committed, reason = self._append_until_end(seq, new_tokens)
         drafted = min(accepted, len(committed))
         seq.commit_log.append((drafted, len(committed) - drafted))
         self.stats.output_tokens += len(committed)
@@ -274,6 +263,28 @@ class Engine:
             self.observers.on_commit(seq, committed, accepted)
         if reason:
             self.scheduler.finish(seq, reason)
+
+    def _append_until_end(self, seq: Sequence,
+                          new_tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append `new_tokens` to `seq` up to the first that ends it (EOS, max_new_tokens, the
+        context's end, a stop string) -> (the tokens appended, "stop" / "length" or None)."""
+        params = seq.params
+        room = min(params.max_new_tokens - seq.num_output, self.max_len - len(seq.tokens))
+        if (len(new_tokens) < room and not params.stop
+                and (params.ignore_eos or self.eos.isdisjoint(new_tokens))):
+            seq.tokens += new_tokens            # the usual case: none of them ends it
+            return new_tokens, None
+        committed = []
+        for token in new_tokens:
+            seq.tokens.append(token)
+            committed.append(token)
+            if token in self.eos and not params.ignore_eos:
+                return committed, "stop"
+            if seq.num_output >= params.max_new_tokens or len(seq.tokens) >= self.max_len:
+                return committed, "length"
+            if params.stop and self._hit_stop_string(seq):
+                return committed, "stop"
+        return committed, None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)

@@ -288,7 +288,8 @@ class Scheduler:
         decoded together and none wait or are offloaded (drafting methods only)."""
         if self.spec.drafts_per_cycle == 0:
             return
-        decoding = [s for s in self.running if s.status == Status.RUNNING]
+        running = Status.RUNNING
+        decoding = [s for s in self.running if s.status is running]
         self.most_decoding = max(self.most_decoding, len(decoding))
         if (not self.waiting and not self.offloaded
                 and len(decoding) < self.spec.plain_tail * self.most_decoding):
@@ -297,9 +298,9 @@ class Scheduler:
 
     def _plan(self, step: int) -> list[Work]:
         works, prefill_budget = [], self.spec.prefill_chunk
-        ngram = self.spec.method == "ngram"
+        ngram, prefill = self.spec.method == "ngram", Status.PREFILL   # (a local: read per request)
         for seq in self.running:
-            if seq.status == Status.PREFILL:
+            if seq.status is prefill:
                 if prefill_budget == 0 or seq.num_prefilled == seq.num_prompt:
                     continue
                 n = min(prefill_budget, seq.num_prompt - seq.num_prefilled)
