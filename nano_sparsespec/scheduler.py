@@ -70,6 +70,8 @@ class Sequence:
     decodes_plainly: bool = False       # in the plain tail: it drafts no more (Scheduler)
     ngram_drafts: list[int] = field(default_factory=list)
     row: int = -1                       # row in the engine's per-request device buffers
+    token_limit: int = 0                # tokens it may hold: final_length within the model's
+                                        #   context (`Scheduler.add` sets it)
     admitted_at: int = 0
     results_in_flight: int = 0          # verifications / final prefill chunk awaiting results
     finish_reason: str | None = None
@@ -146,7 +148,8 @@ class Scheduler:
         self.offloaded: list[Sequence] = []    # in offload order
         self.free_rows = list(range(spec.max_batch))
         stalls = spec.async_verify and not (spec.runs_ahead or spec.drafts_ahead)
-        self.period = spec.drafts_per_cycle + 1 + stalls
+        self.drafts_per_cycle = spec.drafts_per_cycle          # k (0: plain and n-gram)
+        self.period = self.drafts_per_cycle + 1 + stalls
         self._admissions = itertools.count()
         self.most_decoding = 0                 # the most requests that decoded in one step
         self.step = -1                         # the step last scheduled
@@ -161,6 +164,7 @@ class Scheduler:
             raise ValueError(f"KV pool too small: request {seq.seq_id} may need {need} blocks of "
                              f"{self.cache.block_size} tokens, "
                              f"the pool has {self.cache.pool.num_blocks} (raise kv_blocks)")
+        seq.token_limit = min(seq.final_length, self.max_len)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -197,7 +201,7 @@ class Scheduler:
         first = self.step + 1                  # the first step it can act in
 
         def waits(slot: int) -> bool:
-            return (slot - first) % self.period > self.spec.drafts_per_cycle
+            return (slot - first) % self.period > self.drafts_per_cycle
 
         seq.verify_slot = min(range(self.period), key=lambda s: (load[s], waits(s), s))
 
@@ -235,7 +239,7 @@ class Scheduler:
         if seq.decodes_plainly or (step - seq.verify_slot) % self.period == 0:
             return "verify"
         # (k drafts made: no need to ask draft_limit, which most requests never reach)
-        if seq.num_drafts >= self.spec.drafts_per_cycle:
+        if seq.num_drafts >= self.drafts_per_cycle:
             return "wait"
         return "draft" if seq.num_drafts < self.draft_limit(seq) else "wait"
 
@@ -243,8 +247,7 @@ class Scheduler:
         """Drafts worth making this cycle: at most k, no more than the tokens and context left
         (once `committing` more tokens are committed)."""
         # tokens it may still take, less the one its verification adds (most requests: k or more)
-        left = (min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_len) - 1
-                - len(seq.tokens) - committing)
+        left = seq.token_limit - 1 - len(seq.tokens) - committing
         return self.spec.stride if left >= self.spec.stride else max(left, 0)
 
     # --- one step ---------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ class Scheduler:
     def _enter_plain_tail(self) -> None:
         """Mark the decoding requests plain once they are under `plain_tail` of the most that
         decoded together and none wait or are offloaded (drafting methods only)."""
-        if self.spec.drafts_per_cycle == 0:
+        if self.drafts_per_cycle == 0:
             return
         running = Status.RUNNING
         decoding = [s for s in self.running if s.status is running]
