@@ -74,6 +74,7 @@ class StepPlan:
     sparse: list[tuple[Work, int]] = field(default_factory=list)   # drafts, gathered positions
     drafts: list[tuple[Work, int]] = field(default_factory=list)   # sample a draft token
     checks: list[tuple[Work, int]] = field(default_factory=list)   # verifications, last chunks
+    chunks: list[tuple[Work, int]] = field(default_factory=list)   # prefill chunks
     num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
     num_tokens: int = 0                                            # T: the step's token rows
     # (`StepLists.columns`: made once, the shape and the lists both read them)
@@ -81,7 +82,7 @@ class StepPlan:
 
     @staticmethod
     def of(works: list[Work], method: str) -> "StepPlan":
-        plan, row, chunks = StepPlan(works), 0, []
+        plan, row = StepPlan(works), 0
         drafts_attend = plan.dense if method == "full" else plan.sparse
         for w in works:
             entry = (w, row)
@@ -93,14 +94,14 @@ class StepPlan:
                 drafts_attend.append(entry)
                 plan.drafts.append(entry)
             else:
-                chunks.append(entry)
+                plan.chunks.append(entry)
                 if w.final_prefill:
                     plan.checks.append(entry)
                     plan.num_drafts.append(0)
             row += w.num_tokens
         plan.num_tokens = row
         # prefill chunks attend densely too, last and longest first (`StepLists._dense_runs`)
-        plan.dense += sorted(chunks, key=lambda chunk: -chunk[0].num_tokens)
+        plan.dense += sorted(plan.chunks, key=lambda chunk: -chunk[0].num_tokens)
         return plan
 
 
@@ -206,14 +207,13 @@ class StepLists:
     def columns(self, plan: StepPlan) -> tuple[WorkColumns, WorkColumns]:
         """The `WorkColumns` of the plan's works, and of its drafts only."""
         if plan.columns is None:
-            flat, sel = [], self.selection_len
+            flat, sel, first_row = [], self.selection_len, 0
             for w in plan.works:        # the one pass over the works, into one flat list
                 seq, row = w.seq, w.seq.row
-                flat += (w.num_tokens, w.start, row, len(seq.tokens) - 1, seq.tokens[-1], w.ahead,
-                         seq.num_drafts if w.ahead else 0, sel[row], w.kind == "draft")
-            matrix = long_tensor(flat).view(len(plan.works), len(WorkColumns._fields) - 1)  # [W, 9]
-            num_tokens = matrix[:, 0]
-            matrix = torch.cat([(num_tokens.cumsum(0) - num_tokens)[:, None], matrix], dim=1)
+                flat += (first_row, w.num_tokens, w.start, row, len(seq.tokens) - 1, seq.tokens[-1],
+                         w.ahead, seq.num_drafts if w.ahead else 0, sel[row], w.kind == "draft")
+                first_row += w.num_tokens
+            matrix = long_tensor(flat).view(len(plan.works), len(WorkColumns._fields))   # [W, 10]
             plan.columns = (WorkColumns(*matrix.unbind(1)),
                             WorkColumns(*matrix[matrix[:, -1] == 1].unbind(1)))
         return plan.columns
@@ -227,23 +227,24 @@ class StepLists:
         of its verification's result, whose position and input the device moves on by the
         accepted count (`Work.ahead`)."""
         c, _ = self.columns(plan)
-        work = torch.repeat_interleave(c.num_tokens)              # [T] each token row's work
-        positions = c.start[work] + torch.arange(plan.num_tokens) - c.first_row[work]  # [T]
-        first_draft = c.verified[work] + 1
-        feed_from = torch.where(positions >= first_draft,
-                                c.row[work] * self.token_columns + positions - first_draft, -1)
+        # [T] per token row: its work's columns
+        t = WorkColumns(*torch.stack(c, 1)[torch.repeat_interleave(c.num_tokens)].unbind(1))
+        positions = t.start + torch.arange(plan.num_tokens) - t.first_row                # [T]
+        feed_from = torch.where(positions > t.verified,
+                                t.row * self.token_columns + positions - t.verified - 1, -1)
         # the pending token is fed from the host; a draft (or a drafted position) from the device
-        input_ids = torch.where(positions == first_draft - 1, c.pending[work], 0)
+        input_ids = torch.where(positions == t.verified, t.pending, 0)
         # prefill chunks and verifications of n-gram drafts bring every token from the host
-        ngram = self.spec.method == "ngram"
-        for w, r in plan.dense:
-            if w.kind == "prefill" or (ngram and w.num_tokens > 1):
-                seq, n = w.seq, w.num_tokens
-                ids = (seq.tokens[w.start:w.start + n] if w.kind == "prefill"
-                       else [seq.tokens[-1]] + seq.ngram_drafts[:n - 1])
-                input_ids[r:r + n], feed_from[r:r + n] = long_tensor(ids), -1
-        return {"input_ids": input_ids, "positions": positions, "token_row": c.row[work],
-                "feed_from": feed_from, "ahead": c.ahead[work]}
+        host_fed = plan.chunks + ([(w, r) for w, r in plan.checks
+                                   if w.kind == "verify" and w.num_tokens > 1]
+                                  if self.spec.method == "ngram" else [])
+        for w, r in host_fed:
+            seq, n = w.seq, w.num_tokens
+            ids = (seq.tokens[w.start:w.start + n] if w.kind == "prefill"
+                   else [seq.tokens[-1]] + seq.ngram_drafts[:n - 1])
+            input_ids[r:r + n], feed_from[r:r + n] = long_tensor(ids), -1
+        return {"input_ids": input_ids, "positions": positions, "token_row": t.row,
+                "feed_from": feed_from, "ahead": t.ahead}
 
     @staticmethod
     def _dense_lists(dense: list[tuple[Work, int]], with_scores: bool) -> dict[str, list]:
