@@ -255,7 +255,13 @@ class Engine:
         self.stats.process_seconds += time.perf_counter() - start
 
     def _commit(self, seq: Sequence, new_tokens: list[int], accepted: int) -> None:
-        committed, reason = self._append_until_end(seq, new_tokens)
+        params = seq.params
+        if (len(seq.tokens) + len(new_tokens) < seq.token_limit and not params.stop
+                and (params.ignore_eos or self.eos.isdisjoint(new_tokens))):
+            seq.tokens += new_tokens            # the usual case: none of them ends the request
+            committed, reason = new_tokens, None
+        else:
+            committed, reason = self._append_until_end(seq, new_tokens)
         drafted = min(accepted, len(committed))
         seq.commit_log.append((drafted, len(committed) - drafted))
         self.stats.output_tokens += len(committed)
@@ -268,13 +274,7 @@ class Engine:
                           new_tokens: list[int]) -> tuple[list[int], str | None]:
         """Append `new_tokens` to `seq` up to the first that ends it (EOS, max_new_tokens, the
         context's end, a stop string) -> (the tokens appended, "stop" / "length" or None)."""
-        params = seq.params
-        room = min(params.max_new_tokens - seq.num_output, self.max_len - len(seq.tokens))
-        if (len(new_tokens) < room and not params.stop
-                and (params.ignore_eos or self.eos.isdisjoint(new_tokens))):
-            seq.tokens += new_tokens            # the usual case: none of them ends it
-            return new_tokens, None
-        committed = []
+        params, committed = seq.params, []
         for token in new_tokens:
             seq.tokens.append(token)
             committed.append(token)
