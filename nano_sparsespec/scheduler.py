@@ -70,8 +70,8 @@ class Sequence:
     decodes_plainly: bool = False       # in the plain tail: it drafts no more (Scheduler)
     ngram_drafts: list[int] = field(default_factory=list)
     row: int = -1                       # row in the engine's per-request device buffers
-    token_limit: int = 0                # tokens it may hold: final_length within the model's
-                                        #   context (`Scheduler.add` sets it)
+    token_limit: int = 0                # tokens it may hold: final_length, which
+                                        #   `Scheduler.add` caps at the model's context
     admitted_at: int = 0
     results_in_flight: int = 0          # verifications / final prefill chunk awaiting results
     finish_reason: str | None = None
@@ -83,6 +83,7 @@ class Sequence:
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
+        self.token_limit = self.final_length
 
     @property
     def num_prompt(self) -> int:
