@@ -78,6 +78,7 @@ class StepPlan:
     num_drafts: list[int] = field(default_factory=list)            # drafts each check checks
     num_tokens: int = 0                                            # T: the step's token rows
     # (`StepLists.columns`: made once, the shape and the lists both read them)
+    work_matrix: torch.Tensor | None = None                         # [W, 10] the works' columns
     columns: tuple[WorkColumns, WorkColumns] | None = None          # (works, drafts)
 
     @staticmethod
@@ -214,6 +215,7 @@ class StepLists:
                          w.ahead, seq.num_drafts if w.ahead else 0, sel[row], w.kind == "draft")
                 first_row += w.num_tokens
             matrix = long_tensor(flat).view(len(plan.works), len(WorkColumns._fields))   # [W, 10]
+            plan.work_matrix = matrix
             plan.columns = (WorkColumns(*matrix.unbind(1)),
                             WorkColumns(*matrix[matrix[:, -1] == 1].unbind(1)))
         return plan.columns
@@ -228,7 +230,7 @@ class StepLists:
         accepted count (`Work.ahead`)."""
         c, _ = self.columns(plan)
         # [T] per token row: its work's columns
-        t = WorkColumns(*torch.stack(c, 1)[torch.repeat_interleave(c.num_tokens)].unbind(1))
+        t = WorkColumns(*plan.work_matrix[torch.repeat_interleave(c.num_tokens)].unbind(1))
         positions = t.start + torch.arange(plan.num_tokens) - t.first_row                # [T]
         feed_from = torch.where(positions > t.verified,
                                 t.row * self.token_columns + positions - t.verified - 1, -1)
