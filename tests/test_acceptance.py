@@ -21,16 +21,19 @@ def test_the_sweep_measures_whole_texts_with_no_plain_tail():
 
 def test_no_repeat_ngram_bans_repeats_in_drafts_and_verification(tiny_qwen3, prompts):
     """A tiny random model loops; with repeated 3-grams banned its greedy output has none, greedy speculation equals
-    plain decoding under the ban, and the `full` drafter (the target model itself) still has every draft accepted:
-    drafts and verification rows, read out in the same steps, see the same ban."""
+    plain decoding under the ban (naive lock-step too, whose draft steps have no verification rows), and the `full`
+    drafter (the target model itself) still has every draft accepted: drafts and verification rows, read out in the
+    same steps, see the same ban."""
     _, looping = generate(tiny_qwen3[0], prompts, method="plain")
     assert sum(repeated_ngram_share(t, 3)[0] for t in looping) > 0          # the ban has something to do
     ban = no_repeat_ngram_runner(3)
     _, plain = generate(tiny_qwen3[0], prompts, method="plain", runner_class=ban)
     _, pillar = generate(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, budget_ratio=0.1,
                          batch_policy="balanced", runner_class=ban)
+    _, lockstep = generate(tiny_qwen3[0], prompts, method="pillar", stride=4, min_budget=8, budget_ratio=0.1,
+                           batch_policy="naive", runner_class=ban)
     full, _ = generate(tiny_qwen3[0], prompts, method="full", stride=4, batch_policy="balanced", runner_class=ban)
     assert all(repeated_ngram_share(t, 3)[0] == 0 for t in plain)
-    assert pillar == plain
+    assert pillar == plain and lockstep == plain
     stats = full.last_stats
     assert stats.accepted_counts and stats.accepted_counts == stats.drafts_offered

@@ -139,13 +139,15 @@ class NoRepeatNgramRunner(ModelRunner):
 
     def _run(self, plan, shape, static):
         """Set each logits row's history, in `Readout.logits` order: each check's M + 1 rows
-        (row j: the first j drafts), then each draft's (output and drafts before it)."""
+        (row j: the first j drafts), or without checks a copy of the first draft's row, then
+        each draft's (output and drafts before it)."""
         histories, m_max = [], max(plan.num_drafts, default=0)
         for (w, _), m in zip(plan.checks, plan.num_drafts):
             drafts = self._drafts_of(w.seq, m)
             histories += [(w.seq, drafts[:min(j, m)]) for j in range(m_max + 1)]   # pads: last
-        histories += [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified))
-                      for w, _ in plan.drafts]
+        drafts = [(w.seq, self._drafts_of(w.seq, w.start - w.seq.num_verified))
+                  for w, _ in plan.drafts]
+        histories += drafts if plan.checks else drafts[:1] + drafts
         self.model.histories = histories
         try:
             return super()._run(plan, shape, static)
