@@ -302,9 +302,10 @@ class Engine:
         if spec.method in ("pillar", "pillar-lookup"):
             index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
             context = [s.num_verified for s in seqs]
-            scores = result.scores[:, index]                    # [L, B, n_kv, Lmax]
+            scores = result.scores[:, index]                    # [Ls, B, n_kv, Lmax]
             chosen, widths = pillar_attn.top_positions(scores, context,
                                                        [spec.budget(c) for c in context])
+            chosen = pillar_attn.for_every_layer(chosen, spec.score_every, cfg.num_layers)
             if spec.keep_accepted:
                 chosen = self._keep_accepted(result, refresh, chosen, widths)
             # in rank order: lookups displace the last ones
@@ -342,10 +343,13 @@ class Engine:
 
     def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
                             scores: torch.Tensor | None = None) -> None:
-        """Hand each refreshed selection [L, n_kv, width] to `Observers.on_selection` (scores cut
-        to the request's context)."""
+        """Hand each refreshed selection [L, n_kv, width] to `Observers.on_selection` (scores
+        [Ls, B, n_kv, Lmax] cut to the request's context, a layer that scores none given those of
+        the scored layer before it)."""
         if self.observers.on_selection is None:
             return
+        if scores is not None:
+            scores = scores.repeat_interleave(self.spec.score_every, 0)[:chosen.shape[1]]
         for b, (seq, width) in enumerate(zip(seqs, widths)):
             seq_scores = None if scores is None else scores[:, b, :, :seq.num_verified]
             self.observers.on_selection(seq, seq_scores, chosen[b, ..., :width])

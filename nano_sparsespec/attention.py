@@ -43,9 +43,16 @@ class DenseBatch:
                                  #   and L; one run of the whole batch, or prefill chunks apart
                                  #   (`prefill`: only a final chunk's last row can be scored)
     score_weight: torch.Tensor | None = None  # [Bd, Qmax] weight of each row in PillarAttn scores
-    scores: torch.Tensor | None = None        # [L, Bd, n_kv, Lmax] filled when score_weight is set
+    scores: torch.Tensor | None = None        # [L / n, Bd, n_kv, Lmax] filled when score_weight
+    score_every: int = 1                      #   is set: layers 0, n, 2n, ... score (SpecConfig)
     block_mask: object | None = None          # the paged kernel's BlockMask (fast path,
                                               #   kernels.py): then `runs` is one run
+
+    def layer_scores(self, layer: int) -> torch.Tensor | None:
+        """Where `layer` writes its PillarAttn scores, [Bd, n_kv, Lmax]; None if it scores none."""
+        if self.score_weight is None or layer % self.score_every:
+            return None
+        return self.scores[layer // self.score_every]
 
 
 def causal_mask(q_start: torch.Tensor, q_valid: torch.Tensor, context: int) -> torch.Tensor:
@@ -117,9 +124,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if ctx.dense.block_mask is None:
             _dense_gathered(layer, out, q, k.shape[1:], ctx)
         else:   # the fast path's paged kernel reads the pool in place
-            d = ctx.dense
-            scored = () if d.score_weight is None else (d.scores[layer], d.block_table,
-                                                        d.q_start, d.score_weight)
+            d, scores = ctx.dense, ctx.dense.layer_scores(layer)
+            scored = () if scores is None else (scores, d.block_table, d.q_start, d.score_weight)
             _kernels["paged"](out, q, d.q_index, ctx.k_cache[layer], ctx.v_cache[layer],
                               d.block_mask, *scored)
     if ctx.sparse is not None:
@@ -134,7 +140,7 @@ def _dense_gathered(layer: int, out: torch.Tensor, q: torch.Tensor, kv_shape: to
     """Dense attention of each run over its requests' K/V gathered a whole pool block at a time,
     and the PillarAttn scores of the rows `score_weight` marks, from the same keys. Writes
     out[q_index]."""
-    d = ctx.dense
+    d, scores = ctx.dense, ctx.dense.layer_scores(layer)
     blocks = ctx.k_cache.shape[1] // ctx.block_size
 
     def gathered(cache, table):                                            # [B, L, n_kv, D]
@@ -148,7 +154,7 @@ def _dense_gathered(layer: int, out: torch.Tensor, q: torch.Tensor, kv_shape: to
         keys = gathered(ctx.k_cache, table)
         dense_out = dense_attention(q[q_index], keys, gathered(ctx.v_cache, table), mask)
         out[q_index.flatten()] = dense_out.flatten(0, 1)   # padding queries: the padding row
-        if d.score_weight is None:
+        if scores is None:
             continue
         rows, weight = q_index, d.score_weight[requests, :Q]                          # [B, Q]
         if prefill:   # a final prefill chunk scores its last row alone (all rows cost far more)
@@ -156,7 +162,7 @@ def _dense_gathered(layer: int, out: torch.Tensor, q: torch.Tensor, kv_shape: to
             rows, weight = q_index.gather(1, last), weight.gather(1, last)
             mask = mask.gather(1, last[:, :, None].expand(-1, -1, L))              # [B, 1, L]
         # [B, n_kv, L]
-        d.scores[layer, requests, :, :L] = _kernels["scores"](q[rows], keys, mask, weight)
+        scores[requests, :, :L] = _kernels["scores"](q[rows], keys, mask, weight)
 
 
 def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

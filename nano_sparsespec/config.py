@@ -172,6 +172,10 @@ class SpecConfig:
     keep_accepted  pillar, pillar-lookup: the positions a verification just accepted join the next
                    selection first, in place of its lowest-ranked positions (the budget stays), as
                    the official SparseSpec code keeps them; it raises acceptance a little
+    score_every    pillar, pillar-lookup: PillarAttn scores layers 0, n, 2n, ... only; a layer
+                   between takes the selection of the scored layer before it. The scores cost a
+                   verification about as much as its attention; fewer scored layers cut that and
+                   lower acceptance a little (BENCHMARKS.md)
     ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
     batch_policy   naive (all requests verify on the same step) or balanced (staggered)
     async_verify   delayed verification: a request that verifies at step t sits out step t+1
@@ -194,6 +198,7 @@ class SpecConfig:
     sink_tokens: int = 4
     lookup_matches: int | None = None
     keep_accepted: bool = True
+    score_every: int = 1
     ngram_max: int = 4
     ngram_min: int = 2
     batch_policy: str = "balanced"
@@ -235,6 +240,8 @@ class SpecConfig:
             raise ValueError(f"min_budget={self.min_budget} is too small for "
                              f"lookup_matches={self.num_lookups}: "
                              f"pillar-lookup needs min_budget >= 2 * lookup_matches")
+        if not isinstance(self.score_every, int) or self.score_every < 1:
+            raise ValueError(f"score_every must be an integer >= 1, got {self.score_every!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, "
                              f"{self.ngram_max!r}")

@@ -13,8 +13,9 @@ Owns
   * the scores: `attention_logits` / `attention_probs` (explicit float32, grouped by KV head),
     `weighted_scores` and `pillar_scores`;
   * the selection policies: `select_pillar` (top-B of the scores; B = `SpecConfig.budget`; for a
-    whole batch at once `top_positions`) and `select_streaming` (StreamingLLM: sinks + most
-    recent, the baseline); `stacked` batches per-request selections;
+    whole batch at once `top_positions`, and `for_every_layer` when only some layers score) and
+    `select_streaming` (StreamingLLM: sinks + most recent, the baseline); `stacked` batches
+    per-request selections;
   * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first`.
 The first cycle after prefill has no verification yet: its scores come from the prompt's last row.
 
@@ -97,6 +98,14 @@ def top_positions(scores: torch.Tensor, context_len, budget) -> tuple[torch.Tens
     order = keys.topk(N, dim=-1).indices.transpose(0, 1)                       # [B, L, n_kv, N]
     real = columns[:N][None, :] < to_device(widths, torch.long, device)[:, None]  # [B, N]
     return torch.where(real[:, None, None, :], order, 0), widths
+
+
+def for_every_layer(positions: torch.Tensor, score_every: int, num_layers: int) -> torch.Tensor:
+    """The scored layers' selections [B, Ls, n_kv, N] (layers 0, n, 2n, ...: n = score_every)
+    -> every layer's [B, L, n_kv, N]: a layer takes that of the scored layer before it."""
+    if score_every == 1:
+        return positions
+    return positions.repeat_interleave(score_every, dim=1)[:, :num_layers]
 
 
 def stacked(selections: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

@@ -230,7 +230,7 @@ class ModelRunner:
     def _run(self, plan: StepPlan, shape: StepShape,
              static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Send the lists, update the block tables, run the step (static: `shape` is a bucket)
-        -> the real checks' packed [Bv, 3 + M] and their scores [L, Bv, n_kv, Lmax] or None."""
+        -> the real checks' packed [Bv, 3 + M] and their scores [Ls, Bv, n_kv, Lmax] or None."""
         seqs = [w.seq for w in plan.works]
         lists = self.step_lists.lists(plan, shape)
         names = list(lists)                      # the fixed-length lists; table changes come last
@@ -258,7 +258,7 @@ class ModelRunner:
     def _compute(self, shape: StepShape,
                  lists: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The device step from its uploaded lists (recorded whole as one CUDA graph)
-        -> packed results [Bv, 3 + M], and the dense batch's scores [L, Bd, n_kv, Lmax] or None."""
+        -> packed results [Bv, 3 + M], and the dense batch's scores [Ls, Bd, n_kv, Lmax] or None."""
         # a draft ahead of its verification's result moves on by the accepted count: its
         # position is the one that verification left pending, its input that one's token
         positions, bs = lists["positions"], self.cache.block_size                  # [T]
@@ -309,8 +309,9 @@ class ModelRunner:
             last = qi[None, :] == (q_lens - 1)[:, None]
             rows = q_valid & ((rule == 1) | ((rule == 2) & last))
             batch.score_weight = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)
-            batch.scores = torch.zeros(self.num_layers, shape.dense_batch, self.n_kv, L,
-                                       device=self.device)
+            every = batch.score_every = self.spec.score_every          # layers that score
+            batch.scores = torch.zeros(-(-self.num_layers // every), shape.dense_batch, self.n_kv,
+                                       L, device=self.device)
         return batch
 
     def _sparse_batch(self, shape: StepShape, dev: dict[str, torch.Tensor],

@@ -23,7 +23,8 @@ class StepResult:
     verify_works: list[Work]                # verifications and last prefill chunks, in order
     num_drafts: list[int]                   # drafts checked by each of them
     packed: torch.Tensor                    # [Bv, 3 + Mmax] accepted, next token, bonus, drafts
-    scores: torch.Tensor | None = None      # [L, Bv, n_kv, Lmax] their PillarAttn scores, or None
+    scores: torch.Tensor | None = None      # [Ls, Bv, n_kv, Lmax] their PillarAttn scores (Ls
+                                            #   layers: `SpecConfig.score_every`), or None
     host: torch.Tensor | None = None        # `packed` copied to the host (`start_copy`)
     copied: torch.cuda.Event | None = None  # recorded right after that copy (CUDA only)
 
@@ -49,7 +50,7 @@ class StepResult:
 def joined_results(packed: list[torch.Tensor], scores: list[torch.Tensor | None],
                    device) -> tuple:
     """The parts' results as one step's: packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] and scores
-    [L, Bv_i, n_kv, L_i] -> [L, Bv, n_kv, max L] (or None), zero-padded past what is read."""
+    [Ls, Bv_i, n_kv, L_i] -> [Ls, Bv, n_kv, max L] (or None), zero-padded past what is read."""
     if not packed:
         return torch.zeros(0, 3, dtype=torch.long, device=device), None
     if len(packed) == 1:

@@ -391,7 +391,7 @@ def test_bad_sampling_params(bad, match):
 @pytest.mark.parametrize("bad,match", [
     (dict(stride=0), "stride"), (dict(budget_ratio=0.0), "budget_ratio"), (dict(budget_ratio=1.5), "budget_ratio"),
     (dict(min_budget=0), "min_budget"), (dict(method="medusa"), "medusa"), (dict(batch_policy="fifo"), "fifo"),
-    (dict(plain_tail=1.0), "plain_tail"), (dict(plain_tail=-0.5), "plain_tail")])
+    (dict(plain_tail=1.0), "plain_tail"), (dict(plain_tail=-0.5), "plain_tail"), (dict(score_every=0), "score_every")])
 def test_bad_spec_params(bad, match):
     with pytest.raises(ValueError, match=match):
         SpecConfig(**bad)

@@ -719,6 +719,44 @@ def test_keeping_the_accepted_positions_is_lossless(tiny_qwen3, prompts, plain_g
     assert all((chosen == verified - 1).any(-1).all() for verified, chosen in after_verification)
 
 
+@pytest.mark.parametrize("method", ["pillar", "pillar-lookup"])
+def test_scoring_every_other_layer_is_lossless_and_shares_the_scored_selection(tiny_qwen3, prompts, plain_greedy,
+                                                                                method):
+    """With `score_every=2` only layer 0 of the two-layer model scores: greedy speculation still equals plain greedy
+    decoding, layer 1 drafts with layer 0's selection, and each request's first selection at layer 0 (from its
+    prompt's last row) is the one made when every layer scores."""
+    from conftest import GREEDY
+    from nano_sparsespec import LLM
+
+    def run(score_every):
+        seen = {}                          # request -> (scores, selection) per refresh
+
+        def selected(seq, scores, chosen):
+            seen.setdefault(seq.seq_id, []).append((scores, chosen))
+        llm = LLM(str(tiny_qwen3[0]), method=method, stride=4, min_budget=16, budget_ratio=0.1,
+                  score_every=score_every)
+        outs = llm.generate(None, GREEDY, prompt_token_ids=prompts, on_selection=selected)
+        return [o.token_ids for o in outs], seen
+    tokens, shared = run(2)
+    _, own = run(1)
+    assert tokens == plain_greedy
+    refreshes = [pair for pairs in shared.values() for pair in pairs]
+    assert refreshes and all(torch.equal(chosen[1], chosen[0]) and torch.equal(scores[1], scores[0])
+                             for scores, chosen in refreshes)
+    assert all(torch.equal(shared[seq][0][1][0], own[seq][0][1][0]) for seq in own)
+    assert any(not torch.equal(chosen[1], chosen[0]) for pairs in own.values() for _, chosen in pairs)
+
+
+def test_only_the_scored_layers_have_scores():
+    """`DenseBatch.layer_scores`: with score_every n, layer l writes scores[l // n] when n divides l, else nothing."""
+    scores = torch.zeros(2, 1, N_KV, 8)
+    batch = attention.DenseBatch(None, None, None, None, (), score_weight=torch.ones(1, 1), scores=scores,
+                                 score_every=3)
+    assert [None if s is None else s.data_ptr() for s in map(batch.layer_scores, range(5))] == [
+        scores[0].data_ptr(), None, None, scores[1].data_ptr(), None]
+    assert attention.DenseBatch(None, None, None, None, (), scores=scores).layer_scores(0) is None
+
+
 def test_select_streaming():
     sel = select_streaming(context_len=20, budget=8, sink_tokens=3, num_layers=2, num_kv_heads=N_KV)
     assert sel.shape == (2, N_KV, 8)

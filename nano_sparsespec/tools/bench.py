@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-tail", type=float, default=SpecConfig.plain_tail,
                    help="drafting rows: the requests left decode plainly once fewer than this "
                         "share of the most that decoded together remain (0: never)")
+    p.add_argument("--score-every", type=int, default=SpecConfig.score_every,
+                   help="pillar drafters: PillarAttn scores every n-th layer only, the layers "
+                        "between take the selection of the scored one before them")
     p.add_argument("--no-draft-ahead", action="store_true",
                    help="+async rows: a request sits out the step after its verification (the "
                         "stall) instead of drafting ahead of the result")
@@ -183,7 +186,8 @@ def _run(args, argv: list[str]) -> int:
                   for i in range(args.num_requests)]
         # Validate early.
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
-                   block_size=args.block_size, plain_tail=args.plain_tail)
+                   block_size=args.block_size, plain_tail=args.plain_tail,
+                   score_every=args.score_every)
         if args.tensor_parallel > 1 and args.profile_steps:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} with --profile-steps: "
                              f"the step profile runs on one rank")

@@ -110,14 +110,15 @@ class StepProfiler:
     def __init__(self, model: CausalLM, batch: int, context: int, stride: int,
                  device: torch.device, dtype: torch.dtype, budget_ratio: float, min_budget: int,
                  temperature: float, seed: int = 0, cuda_graphs: bool = False,
-                 block_size: int = SpecConfig.block_size, method: str = "pillar"):
+                 block_size: int = SpecConfig.block_size, method: str = "pillar",
+                 score_every: int = 1):
         cfg = model.config
         self.model, self.batch, self.context, self.k, self.device = (model, batch, context,
                                                                       stride, device)
         common = dict(stride=stride, budget_ratio=budget_ratio, min_budget=min_budget,
                       max_batch=batch, block_size=block_size)
         self.plain_spec = SpecConfig(method="plain", **common)
-        self.spec = SpecConfig(method=method, **common)
+        self.spec = SpecConfig(method=method, score_every=score_every, **common)
         block = self.spec.block_size
         per_request = -(-(context + stride + 1) // block)
         self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch * per_request,
@@ -186,8 +187,9 @@ class StepProfiler:
         if result.verify_works:
             result.fetch()
         if select:
-            pillar_attn.top_positions(result.scores, [self.context] * n_verify,
-                                      [self.budget] * n_verify)
+            chosen, _ = pillar_attn.top_positions(result.scores, [self.context] * n_verify,
+                                                  [self.budget] * n_verify)
+            pillar_attn.for_every_layer(chosen, self.spec.score_every, self.model.config.num_layers)
 
     def plain(self, steps: int = 1) -> tuple[float, float]:
         return self._steps(self.plain_runner, self.batch, 1, steps)
@@ -331,11 +333,13 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
             prof = StepProfiler(model, batch, context, args.stride, device, dtype,
                                 args.budget_ratio, args.min_budget, args.temperature, args.seed,
-                                args.cuda_graphs, args.block_size, args.pillar_method)
+                                args.cuda_graphs, args.block_size, args.pillar_method,
+                                args.score_every)
             measured = prof.measure(args.profile_reps)
             times = {kind: seconds for kind, (seconds, _) in measured.items()}
             nbytes = prof.step_bytes()
             entry["budget"], entry["drafter"] = prof.budget, args.pillar_method
+            entry["score_every"] = args.score_every
             for kind, (seconds, host) in measured.items():
                 entry[kind] = {"ms": round(seconds * 1e3, 3), "host_ms": round(host * 1e3, 3),
                                "bytes": nbytes[kind], "gbs": round(nbytes[kind] / seconds / 1e9, 2)}
