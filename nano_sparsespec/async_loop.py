@@ -1,16 +1,18 @@
 """The engine loop, synchronous or with delayed verification, and what it lets callers observe.
 
 Owns
-  * `Engine`: the loop  schedule(t) -> launch(t) -> process(t-1 or t)  and the host bookkeeping
-    of a step's results: committing accepted tokens, rolling back rejected KV, refreshing each
-    request's critical positions, stop checks (EOS, stop strings, max_new_tokens, context end)
-    and statistics. Sync: step t's results are processed before step t+1 is scheduled. Delayed
-    verification (`SpecConfig.async_verify`): step t is launched *before* the host processes
-    step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t (the one
-    synchronisation is `StepResult.fetch`). A request whose verification is still in flight sits
-    out one step (the stall); plain decoding, and the plain tail of a drafting run (scheduler.py),
-    instead run ahead on the token in flight (`SpecConfig.runs_ahead`), and sparse drafters draft
-    ahead of it (`SpecConfig.drafts_ahead`). On the CPU the same schedule runs with no overlap.
+  * `Engine`: the loop schedule(t) -> launch(t) -> process(t-1 or t) and the host bookkeeping of a
+    step's results: committing accepted tokens, rolling back rejected KV, refreshing each
+    request's critical positions (re-selected from the scores, or kept when its verification
+    computed none: `SpecConfig.refresh_every`), stop checks (EOS, stop strings, max_new_tokens,
+    context end) and statistics. Sync: step t's results are processed before step t+1 is
+    scheduled. Delayed verification (`SpecConfig.async_verify`): step t is launched *before* the
+    host processes step t-1, so on CUDA the host bookkeeping of t-1 overlaps the device work of t
+    (the one synchronisation is `StepResult.fetch`). A request whose verification is still in
+    flight sits out one step (the stall); plain decoding, and the plain tail of a drafting run
+    (scheduler.py), instead run ahead on the token in flight (`SpecConfig.runs_ahead`), and sparse
+    drafters draft ahead of it (`SpecConfig.drafts_ahead`). On the CPU the same schedule runs with
+    no overlap.
   * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
     each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
   * `RunStats`: what one run did, step by step.
@@ -130,7 +132,8 @@ class Observers:
     on_step(event)                    after each step is launched (`StepEvent`)
     on_commit(seq, tokens, accepted)  tokens a request commits: `accepted` of them were drafts
     on_selection(seq, scores, chosen) a request's critical positions are refreshed: scores
-                                      [L, n_kv, context] (PillarAttn; None for streaming), chosen
+                                      [L, n_kv, context] (PillarAttn; None for streaming, and
+                                      for a selection kept without scores), chosen
                                       [L, n_kv, n] the positions its next drafts attend to
     """
     on_step: Callable[[StepEvent], None] | None = None
@@ -300,19 +303,16 @@ class Engine:
         cfg, spec = self.model.config, self.spec
         seqs = [seq for _, seq in refresh]
         if spec.method in ("pillar", "pillar-lookup"):
-            index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
-            context = [s.num_verified for s in seqs]
-            scores = result.scores[:, index]                    # [Ls, B, n_kv, Lmax]
-            chosen, widths = pillar_attn.top_positions(scores, context,
-                                                       [spec.budget(c) for c in context])
-            chosen = pillar_attn.for_every_layer(chosen, spec.score_every, cfg.num_layers)
-            if spec.keep_accepted:
-                chosen = self._keep_accepted(result, refresh, chosen, widths)
-            # in rank order: lookups displace the last ones
-            self.runner.set_selections(seqs, chosen, widths)
+            works = result.verify_works
+            fresh = [(i, seq) for i, seq in refresh if works[i].reselects]
+            kept = [(i, seq) for i, seq in refresh if not works[i].reselects]
+            if fresh:
+                self._reselect(result, fresh)
+            if kept:       # their verifications computed no scores: the selections stay
+                self._set_selections(result, kept,
+                                     *self.runner.kept_selections([seq for _, seq in kept]))
             if spec.method == "pillar-lookup":
                 self.runner.set_context_tokens(seqs)
-            self._observe_selections(seqs, chosen, widths, scores)
         elif spec.method == "streaming":
             chosen, widths = pillar_attn.stacked(
                 [pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
@@ -324,6 +324,29 @@ class Engine:
             for seq in seqs:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
+
+    def _reselect(self, result: StepResult, refresh: list[tuple[int, Sequence]]) -> None:
+        """New selections from the scores of verifications (and last prefill chunks) that
+        re-select (`Work.reselects`)."""
+        spec, seqs = self.spec, [seq for _, seq in refresh]
+        index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
+        context = [s.num_verified for s in seqs]
+        scores = result.scores[:, index]                                  # [Ls, B, n_kv, Lmax]
+        chosen, widths = pillar_attn.top_positions(scores, context,
+                                                   [spec.budget(c) for c in context])
+        chosen = pillar_attn.for_every_layer(chosen, spec.score_every, self.model.config.num_layers)
+        self._set_selections(result, refresh, chosen, widths, scores)
+
+    def _set_selections(self, result: StepResult, refresh: list[tuple[int, Sequence]],
+                        chosen: torch.Tensor, widths: list[int],
+                        scores: torch.Tensor | None = None) -> None:
+        """Hand the runner the selections chosen [B, L, n_kv, N] (request b's first widths[b]),
+        with the positions each verification just accepted first when `keep_accepted`."""
+        seqs = [seq for _, seq in refresh]
+        if self.spec.keep_accepted:
+            chosen = self._keep_accepted(result, refresh, chosen, widths)
+        self.runner.set_selections(seqs, chosen, widths)   # in rank order: lookups displace the
+        self._observe_selections(seqs, chosen, widths, scores)                  # last ones
 
     def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                        chosen: torch.Tensor, widths: list[int]) -> torch.Tensor:

@@ -176,6 +176,10 @@ class SpecConfig:
                    between takes the selection of the scored layer before it. The scores cost a
                    verification about as much as its attention; fewer scored layers cut that and
                    lower acceptance a little (BENCHMARKS.md)
+    refresh_every  pillar, pillar-lookup: verifications re-select from their scores in one period
+                   of the phase clock in n (step // period % n == 0); in the others they compute no
+                   scores and keep their requests' selections, with keep_accepted's positions
+                   first. Default 1 (every verification, the paper's)
     ngram_max, ngram_min   n-gram lengths tried by ngram drafting, longest first
     batch_policy   naive (all requests verify on the same step) or balanced (staggered)
     async_verify   delayed verification: a request that verifies at step t sits out step t+1
@@ -199,6 +203,7 @@ class SpecConfig:
     lookup_matches: int | None = None
     keep_accepted: bool = True
     score_every: int = 1
+    refresh_every: int = 1
     ngram_max: int = 4
     ngram_min: int = 2
     batch_policy: str = "balanced"
@@ -242,6 +247,8 @@ class SpecConfig:
                              f"pillar-lookup needs min_budget >= 2 * lookup_matches")
         if not isinstance(self.score_every, int) or self.score_every < 1:
             raise ValueError(f"score_every must be an integer >= 1, got {self.score_every!r}")
+        if not isinstance(self.refresh_every, int) or self.refresh_every < 1:
+            raise ValueError(f"refresh_every must be an integer >= 1, got {self.refresh_every!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, "
                              f"{self.ngram_max!r}")

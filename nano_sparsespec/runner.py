@@ -72,8 +72,10 @@ class ModelRunner:
                                            self.graphs.width_step)
         self.step_lists = StepLists(spec, cache, rows)      # the host side of each step
         self.selection_len = self.step_lists.selection_len  # [rows] critical positions per row
-        # pillar-lookup: each row's critical positions in rank order (`pillar_attn.kept_beside`)
-        width = self.selection_room if self.lookups else 0          # [rows + 1, L, n_kv, width]
+        # each row's critical positions in rank order, for pillar-lookup (`pillar_attn.kept_beside`)
+        # and for verifications that keep them (`kept_selections`)
+        self.keeps_selection = bool(self.lookups) or spec.refresh_every > 1
+        width = self.selection_room if self.keeps_selection else 0  # [rows + 1, L, n_kv, width]
         self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
         # Draft buffers, per row: K/V of its critical positions, its lookups, then its drafts'
         # (`selection_room` + `lookups` + k columns); made by the first selection or draft step.
@@ -117,6 +119,12 @@ class ModelRunner:
 
     # --- critical positions ------------------------------------------------------------------
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
+    def kept_selections(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+        """The selections `set_selections` last stored for `seqs`, as it takes them: positions
+        [B, L, n_kv, n] (request b's first widths[b]) and the widths."""
+        widths = [self.selection_len[s.row] for s in seqs]
+        return self.selection[self._dev([s.row for s in seqs]), :, :, :max(widths)], widths
+
     def set_selections(self, seqs: list[Sequence], positions: torch.Tensor,
                        widths: list[int]) -> None:
         """Store each request's critical positions, positions[b, :, :, :widths[b]] of
@@ -129,7 +137,7 @@ class ModelRunner:
         self.selection_room = max(self.selection_room, columns if self.graphs is None else
                                   round_up(columns, self.graphs.width_step))
         rows = self._dev([s.row for s in seqs])
-        if self.lookups:
+        if self.keeps_selection:
             self.selection = self._widen(self.selection, self.selection_room)
             self.selection[rows, :, :, :n] = positions                      # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):

@@ -10,7 +10,9 @@ a verification it stalls one step when delayed (its result is in flight), then d
 holds k drafts (fewer near max_new_tokens or the context end: `draft_limit`) and waits, with no
 work, on any step left before its slot. With `SpecConfig.drafts_ahead` there is no stall: on the
 step after its verification it drafts ahead of the result (`Work.ahead`), which the device knows.
-`naive` gives every request slot 0 (lock-step).
+`naive` gives every request slot 0 (lock-step). With `SpecConfig.refresh_every` n, the
+verifications of period step // P re-select their critical positions (`Work.reselects`) when n
+divides it, and keep their selections in the n - 1 periods between.
 `balanced` gives a request, when its prefill's result is processed on step t, the least-loaded
 slot; its first cycle may have fewer than k drafts. With delayed verification it can act from
 step t + 1 on, so slot t % P would take k + 1 drafts: a request given that slot waits one step,
@@ -126,6 +128,8 @@ class Work:
     # a draft made while its request's verification is in flight: it sits after the accepted
     # drafts, which only the device knows; `start` is its position if none is accepted
     ahead: bool = False
+    # a verification whose scores choose its request's next selection (`SpecConfig.refresh_every`)
+    reselects: bool = True
 
     @property
     def end(self) -> int:
@@ -303,6 +307,7 @@ class Scheduler:
     def _plan(self, step: int) -> list[Work]:
         works, prefill_budget = [], self.spec.prefill_chunk
         ngram, prefill = self.spec.method == "ngram", Status.PREFILL   # (a local: read per request)
+        reselects = step // self.period % self.spec.refresh_every == 0
         for seq in self.running:
             if seq.status is prefill:
                 if prefill_budget == 0 or seq.num_prefilled == seq.num_prompt:
@@ -316,7 +321,7 @@ class Scheduler:
                 works.append(Work(seq, "draft", num_verified + seq.num_drafts, 1))
             elif action == "verify":
                 n_drafts = len(seq.ngram_drafts) if ngram else seq.num_drafts
-                works.append(Work(seq, "verify", num_verified, n_drafts + 1))
+                works.append(Work(seq, "verify", num_verified, n_drafts + 1, reselects=reselects))
             elif action == "ahead":      # the position after the one whose token is in flight
                 works.append(Work(seq, "verify", num_verified + 1, 1))
             elif action == "draft ahead":

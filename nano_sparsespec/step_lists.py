@@ -141,8 +141,9 @@ class StepLists:
             tokens=plan.num_tokens + has_padding,
             dense_batch=len(dense), dense_queries=q_max,
             dense_blocks=-(-context // self.cache.block_size),
-            # (checks: verifications, last chunks) of requests that draft again
-            scores=pillar and any(not w.seq.decodes_plainly for w, _ in plan.checks),
+            # (checks: verifications, last chunks) that choose a selection for more drafts
+            scores=pillar and any(w.reselects and not w.seq.decodes_plainly
+                                  for w, _ in plan.checks),
             sparse_batch=len(plan.sparse), sparse_rows=sparse_rows,
             selection_width=selection_width, window=window,
             lookup_context=verified if self.spec.method == "pillar-lookup" else 0,
@@ -255,10 +256,11 @@ class StepLists:
                  "dense_q_len": [w.num_tokens for w, _ in dense],
                  "dense_row": [w.seq.row for w, _ in dense]}
         if with_scores:
-            # query rows counted in the scores: 1 all real rows (a verification), 2 the last
-            # row only (a last prefill chunk), 0 none (an earlier prefill chunk)
-            lists["score_rows"] = [1 if w.kind == "verify" else 2 if w.final_prefill else 0
-                                   for w, _ in dense]
+            # query rows counted in the scores: 1 all real rows (a verification that re-selects),
+            # 2 the last row only (a last prefill chunk), 0 none (an earlier prefill chunk, a
+            # verification that keeps its selection)
+            lists["score_rows"] = [1 if w.kind == "verify" and w.reselects else
+                                   2 if w.final_prefill else 0 for w, _ in dense]
         return lists
 
     def _sparse_lists(self, plan: StepPlan) -> dict[str, torch.Tensor]:

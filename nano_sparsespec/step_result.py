@@ -50,14 +50,18 @@ class StepResult:
 def joined_results(packed: list[torch.Tensor], scores: list[torch.Tensor | None],
                    device) -> tuple:
     """The parts' results as one step's: packed [Bv_i, 3 + M_i] -> [Bv, 3 + max M] and scores
-    [Ls, Bv_i, n_kv, L_i] -> [Ls, Bv, n_kv, max L] (or None), zero-padded past what is read."""
+    [Ls, Bv_i, n_kv, L_i] -> [Ls, Bv, n_kv, max L] (or None), zero-padded past what is read; a
+    part without scores (its verifications keep their selections) reads as zeros."""
     if not packed:
         return torch.zeros(0, 3, dtype=torch.long, device=device), None
     if len(packed) == 1:
         return packed[0], scores[0]
     width = max(p.shape[1] for p in packed)
     joined = torch.cat([F.pad(p, (0, width - p.shape[1])) for p in packed])
-    if any(s is None for s in scores):
+    present = [s for s in scores if s is not None]
+    if not present:
         return joined, None
-    length = max(s.shape[-1] for s in scores)
-    return joined, torch.cat([F.pad(s, (0, length - s.shape[-1])) for s in scores], dim=1)
+    length, (layers, _, n_kv, _) = max(s.shape[-1] for s in present), present[0].shape
+    return joined, torch.cat([present[0].new_zeros(layers, p.shape[0], n_kv, length) if s is None
+                              else F.pad(s, (0, length - s.shape[-1]))
+                              for s, p in zip(scores, packed)], dim=1)

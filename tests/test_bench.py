@@ -249,18 +249,23 @@ def test_the_profile_drafts_with_the_rows_drafter(tiny_qwen3, tmp_path):
     assert "aten::topk" in ops["pillar-lookup"] and "aten::topk" not in ops["pillar"]
 
 
-def test_score_every_reaches_the_rows_and_the_profile(tiny_qwen3, tmp_path):
-    """--score-every sets the drafting rows' `SpecConfig.score_every` and the step profile's, which runs with it and
-    records it in each entry."""
-    args = bench.build_parser().parse_args(["--score-every", "2"])
-    assert {bench_rows.spec_for(name, args, 10).score_every for name in ("pillar-naive", "+async")} == {2}
-    assert bench_rows.spec_for("+async", bench.build_parser().parse_args([]), 10).score_every == 1
+def test_score_every_and_refresh_every_reach_the_rows_and_the_profile(tiny_qwen3, tmp_path):
+    """--score-every and --refresh-every set the drafting rows' `SpecConfig` fields and the step profile's, which
+    records them in each entry and with --refresh-every also times verification and mixed steps that keep their
+    selections."""
+    args = bench.build_parser().parse_args(["--score-every", "2", "--refresh-every", "3"])
+    specs = [bench_rows.spec_for(name, args, 10) for name in ("pillar-naive", "+async")]
+    assert {(spec.score_every, spec.refresh_every) for spec in specs} == {(2, 3)}
+    default = bench_rows.spec_for("+async", bench.build_parser().parse_args([]), 10)
+    assert (default.score_every, default.refresh_every) == (1, 1)
     out = tmp_path / "profile.json"
     argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48", "--profile-models", "model",
             "--stride", str(K), "--min-budget", "8", "--profile-reps", "1", "--profile-accepted", "3", "--device",
-            "cpu", "--threads", "1", "--score-every", "2", "--json-out", str(out)]
+            "cpu", "--threads", "1", "--score-every", "2", "--refresh-every", "2", "--json-out", str(out)]
     assert bench.main(argv) == 0
-    assert json.loads(out.read_text())["profile"][0]["score_every"] == 2
+    entry = json.loads(out.read_text())["profile"][0]
+    assert (entry["score_every"], entry["refresh_every"]) == (2, 2)
+    assert entry["verify_kept"]["ms"] > 0 and entry["mixed_kept"]["ms"] > 0
 
 
 def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
@@ -290,6 +295,8 @@ def test_bad_arguments(tiny_qwen3, capsys):
     assert "plain_tail must be in [0, 1), got 1.5" in capsys.readouterr().err
     assert bench.main(["--model", str(tiny_qwen3[0]), "--score-every", "0"]) == 2
     assert "score_every must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert bench.main(["--model", str(tiny_qwen3[0]), "--refresh-every", "-1"]) == 2
+    assert "refresh_every must be an integer >= 1, got -1" in capsys.readouterr().err
 
 
 def test_the_drafting_rows_take_the_plain_tail():

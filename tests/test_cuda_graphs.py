@@ -106,17 +106,17 @@ def test_the_progress_bar_says_which_graph_is_recorded(tiny_qwen3, prompts, caps
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method,policy,async_verify,kv_blocks,score_every", [
-    ("pillar", "naive", False, None, 1), ("pillar", "balanced", True, 12, 1),
-    ("pillar-lookup", "balanced", False, None, 1), ("pillar-lookup", "balanced", True, 12, 2),
-    ("streaming", "balanced", True, None, 1), ("ngram", "naive", True, None, 1),
-    ("full", "balanced", False, None, 1), ("plain", "balanced", True, 12, 1)])
-def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, async_verify, kv_blocks,
-                                   score_every):
+@pytest.mark.parametrize("method,policy,async_verify,kv_blocks,options", [
+    ("pillar", "naive", False, None, {}), ("pillar", "balanced", True, 12, {}),
+    ("pillar", "balanced", True, 12, {"refresh_every": 2}),
+    ("pillar-lookup", "balanced", False, None, {}), ("pillar-lookup", "balanced", True, 12, {"score_every": 2}),
+    ("streaming", "balanced", True, None, {}), ("ngram", "naive", True, None, {}),
+    ("full", "balanced", False, None, {}), ("plain", "balanced", True, 12, {})])
+def test_padded_steps_are_lossless(tiny_qwen3, prompts, device, method, policy, async_verify, kv_blocks, options):
     _, plain = generate(tiny_qwen3[0], prompts, device=device, cuda_graphs=True, method="plain", max_batch=5)
     llm, outs = generate(tiny_qwen3[0], prompts, device=device, cuda_graphs=True, method=method, stride=4,
                          min_budget=8, budget_ratio=0.1, batch_policy=policy, async_verify=async_verify,
-                         kv_blocks=kv_blocks, block_size=16, max_batch=5, prefill_chunk=32, score_every=score_every)
+                         kv_blocks=kv_blocks, block_size=16, max_batch=5, prefill_chunk=32, **options)
     assert outs == plain
 
 
@@ -141,9 +141,9 @@ def test_padded_draft_steps_of_few_drafts_read_copies_of_their_rows(tiny_qwen3, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the paged kernel is compiled for the GPU alone")
-@pytest.mark.parametrize("method,async_verify,score_every", [("pillar", True, 1), ("pillar-lookup", False, 1),
-                                                           ("pillar-lookup", True, 2)])
-def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypatch, method, async_verify, score_every):
+@pytest.mark.parametrize("method,async_verify,options", [("pillar", True, {}), ("pillar-lookup", False, {}),
+                                                       ("pillar-lookup", True, {"score_every": 2, "refresh_every": 2})])
+def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypatch, method, async_verify, options):
     """The whole fast path on the GPU (CUDA graphs, the compiled paged kernel whose verifications score through the
     swapped pass, compiled elementwise pieces and sampling): greedy speculation equals plain decoding, float32."""
     from nano_sparsespec import model as model_module, verifier
@@ -154,7 +154,7 @@ def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypat
         _, outs = generate(tiny_qwen3[0], prompts, device="cuda", cuda_graphs=True, compile=True, method=method,
                            stride=4, min_budget=8, budget_ratio=0.1, batch_policy="balanced",
                            async_verify=async_verify, kv_blocks=12, block_size=16, max_batch=5, prefill_chunk=32,
-                           score_every=score_every)
+                           **options)
     finally:
         kernels.use_eager_kernels()
         model_module.use_eager_elementwise()

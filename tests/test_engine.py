@@ -9,7 +9,7 @@ import torch
 from conftest import GREEDY, PROMPT_LENGTHS, run
 from nano_sparsespec import LLM, SamplingParams
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.step_result import StepResult
+from nano_sparsespec.step_result import StepResult, joined_results
 
 
 def test_batch_equals_each_prompt_alone(tiny_qwen3, prompts, plain_greedy):
@@ -391,10 +391,23 @@ def test_bad_sampling_params(bad, match):
 @pytest.mark.parametrize("bad,match", [
     (dict(stride=0), "stride"), (dict(budget_ratio=0.0), "budget_ratio"), (dict(budget_ratio=1.5), "budget_ratio"),
     (dict(min_budget=0), "min_budget"), (dict(method="medusa"), "medusa"), (dict(batch_policy="fifo"), "fifo"),
-    (dict(plain_tail=1.0), "plain_tail"), (dict(plain_tail=-0.5), "plain_tail"), (dict(score_every=0), "score_every")])
+    (dict(plain_tail=1.0), "plain_tail"), (dict(plain_tail=-0.5), "plain_tail"), (dict(score_every=0), "score_every"),
+    (dict(refresh_every=0), "refresh_every")])
 def test_bad_spec_params(bad, match):
     with pytest.raises(ValueError, match=match):
         SpecConfig(**bad)
+
+
+def test_a_step_part_without_scores_reads_as_zeros():
+    """`joined_results`: the parts of a step (its prefill chunks run apart on the fast path) join their packed results
+    and scores; a part whose verifications keep their selections has none and reads as zeros, so the other part's
+    last prefill chunks still get theirs."""
+    scored = torch.arange(2 * 1 * 3 * 4, dtype=torch.float32).view(2, 1, 3, 4)           # [Ls, Bv, n_kv, L]
+    packed, scores = joined_results([torch.ones(2, 5, dtype=torch.long), torch.ones(1, 3, dtype=torch.long)],
+                                    [None, scored], "cpu")
+    assert packed.shape == (3, 5) and scores.shape == (2, 3, 3, 4)
+    assert torch.equal(scores[:, :2], torch.zeros(2, 2, 3, 4)) and torch.equal(scores[:, 2:], scored)
+    assert joined_results([torch.ones(1, 3, dtype=torch.long)] * 2, [None, None], "cpu")[1] is None
 
 
 def chi_square_two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:

@@ -747,6 +747,34 @@ def test_scoring_every_other_layer_is_lossless_and_shares_the_scored_selection(t
     assert any(not torch.equal(chosen[1], chosen[0]) for pairs in own.values() for _, chosen in pairs)
 
 
+@pytest.mark.parametrize("method", ["pillar", "pillar-lookup"])
+def test_verifications_between_reselections_keep_their_selection(tiny_qwen3, prompts, plain_greedy, method):
+    """With `refresh_every=2` verifications re-select in every other period of the phase clock; in the others they
+    compute no scores and keep the selection they had, the positions they just accepted ranked first (keep_accepted):
+    greedy speculation still equals plain greedy decoding."""
+    from conftest import GREEDY
+    from nano_sparsespec import LLM
+    seen = {}                              # request -> (scores, selection, positions just committed) per refresh
+
+    def selected(seq, scores, chosen):
+        committed = sum(seq.commit_log[-1])
+        seen.setdefault(seq.seq_id, []).append((scores, chosen, range(seq.num_verified - committed,
+                                                                          seq.num_verified)))
+    llm = LLM(str(tiny_qwen3[0]), method=method, stride=4, min_budget=16, budget_ratio=0.1, refresh_every=2)
+    outs = llm.generate(None, GREEDY, prompt_token_ids=prompts, on_selection=selected)
+    assert [o.token_ids for o in outs] == plain_greedy
+    kept = 0
+    for refreshes in seen.values():
+        for (_, before, _), (scores, chosen, accepted) in zip(refreshes, refreshes[1:]):
+            if scores is not None:
+                continue
+            kept += 1
+            assert chosen.shape == before.shape
+            for was, now in zip(before.flatten(0, 1).tolist(), chosen.flatten(0, 1).tolist()):
+                assert now == (list(accepted) + [p for p in was if p not in accepted])[:len(was)]
+    assert kept and all(refreshes[0][0] is not None for refreshes in seen.values())
+
+
 def test_only_the_scored_layers_have_scores():
     """`DenseBatch.layer_scores`: with score_every n, layer l writes scores[l // n] when n divides l, else nothing."""
     scores = torch.zeros(2, 1, N_KV, 8)

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-every", type=int, default=SpecConfig.score_every,
                    help="pillar drafters: PillarAttn scores every n-th layer only, the layers "
                         "between take the selection of the scored one before them")
+    p.add_argument("--refresh-every", type=int, default=SpecConfig.refresh_every,
+                   help="pillar drafters: verifications re-select in one period of the phase clock "
+                        "in n only, keeping their selections in the others (the profile adds "
+                        "verify_kept and mixed_kept steps)")
     p.add_argument("--no-draft-ahead", action="store_true",
                    help="+async rows: a request sits out the step after its verification (the "
                         "stall) instead of drafting ahead of the result")
@@ -187,7 +191,7 @@ def _run(args, argv: list[str]) -> int:
         # Validate early.
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
                    block_size=args.block_size, plain_tail=args.plain_tail,
-                   score_every=args.score_every)
+                   score_every=args.score_every, refresh_every=args.refresh_every)
         if args.tensor_parallel > 1 and args.profile_steps:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} with --profile-steps: "
                              f"the step profile runs on one rank")

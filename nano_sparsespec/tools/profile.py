@@ -1,13 +1,13 @@
 """The step profile (`bench --profile-steps`): what one step of each kind costs at a shape, and the
 speedup that follows.
 
-Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step of `batch`
-requests that each hold `context` cached positions, run through the engine's own `ModelRunner` on
-a KV pool of random K/V, back to back as the engine's loop runs them, and where a step's device
-time goes, kernel by kernel), model shapes with random weights, and the speedup models:
-lock-step, balanced, and the ceiling, `balanced_speedup` over a plain step with one block of
-context (the part of a step that is not attention, which no drafter that runs the model's layers
-undercuts).
+Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step, the last two also
+keeping their selections (`verify_kept`, `mixed_kept`), of `batch` requests that hold `context`
+cached positions, run through the engine's own `ModelRunner` on a KV pool of random K/V, back to
+back as the engine's loop runs them, and where a step's device time goes, kernel by kernel), model
+shapes with random weights, and the speedup models: lock-step, balanced, and the ceiling,
+`balanced_speedup` over a plain step with one block of context (the part of a step that is not
+attention, which no drafter that runs the model's layers undercuts).
 """
 from __future__ import annotations
 
@@ -158,9 +158,11 @@ class StepProfiler:
         engine's delayed-verification loop (and plain decoding's run-ahead loop) runs them: each
         step is launched before the previous step's results are read -> (seconds per step, host
         seconds per step spent launching: lists built, device work queued). On a GPU a step's host
-        work overlaps the device work of the step before; on the CPU they add up."""
-        works = [Work(seq, "verify", self.context, verify_tokens) if i < n_verify else
-                 Work(seq, "draft", self.context, 1) for i, seq in enumerate(self.seqs)]
+        work overlaps the device work of the step before; on the CPU they add up. Without `select`
+        the verifications keep their selections: no scores (`SpecConfig.refresh_every`)."""
+        works = [Work(seq, "verify", self.context, verify_tokens, reselects=select)
+                 if i < n_verify else Work(seq, "draft", self.context, 1)
+                 for i, seq in enumerate(self.seqs)]
         for w in works:
             self.cache.append(w.seq.seq_id, w.num_tokens)
             w.seq.num_drafts = w.num_tokens - 1 if w.kind == "verify" else 0
@@ -204,14 +206,19 @@ class StepProfiler:
         return self._steps(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, steps,
                            select=True)
 
+    def verify_kept(self, steps: int = 1) -> tuple[float, float]:   # no scores, no selection
+        return self._steps(self.runner, self.batch, self.k + 1, steps)
+
+    def mixed_kept(self, steps: int = 1) -> tuple[float, float]:    # no scores, no selection
+        return self._steps(self.runner, -(-self.batch // (self.k + 1)), self.k + 1, steps)
+
     def step_bytes(self) -> dict:
-        b, c = self.batch, self.context
-        n_verify = -(-b // (self.k + 1))
-        return {"plain": self.bm.step_bytes(b * (c + 1)),
-                "draft": self.bm.step_bytes(b * (self.budget + 1)),
-                "verify": self.bm.step_bytes(b * (c + self.k + 1)),
-                "mixed": self.bm.step_bytes(n_verify * (c + self.k + 1)
-                                            + (b - n_verify) * (self.budget + 1))}
+        b, c, k, sel = self.batch, self.context, self.k, self.budget + 1
+        n_verify = -(-b // (k + 1))
+        verify = self.bm.step_bytes(b * (c + k + 1))
+        mixed = self.bm.step_bytes(n_verify * (c + k + 1) + (b - n_verify) * sel)
+        return {"plain": self.bm.step_bytes(b * (c + 1)), "draft": self.bm.step_bytes(b * sel),
+                "verify": verify, "mixed": mixed, "verify_kept": verify, "mixed_kept": mixed}
 
     def measure(self, reps: int, runs: int = 3,
                 kinds: tuple = ("plain", "draft", "verify", "mixed")) -> dict:
@@ -335,11 +342,13 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                                 args.budget_ratio, args.min_budget, args.temperature, args.seed,
                                 args.cuda_graphs, args.block_size, args.pillar_method,
                                 args.score_every)
-            measured = prof.measure(args.profile_reps)
+            kept = ("verify_kept", "mixed_kept") if args.refresh_every > 1 else ()
+            measured = prof.measure(args.profile_reps, kinds=("plain", "draft", "verify", "mixed")
+                                    + kept)
             times = {kind: seconds for kind, (seconds, _) in measured.items()}
             nbytes = prof.step_bytes()
             entry["budget"], entry["drafter"] = prof.budget, args.pillar_method
-            entry["score_every"] = args.score_every
+            entry["score_every"], entry["refresh_every"] = args.score_every, args.refresh_every
             for kind, (seconds, host) in measured.items():
                 entry[kind] = {"ms": round(seconds * 1e3, 3), "host_ms": round(host * 1e3, 3),
                                "bytes": nbytes[kind], "gbs": round(nbytes[kind] / seconds / 1e9, 2)}

@@ -289,7 +289,7 @@ def spec_for(name: str, args, kv_blocks: int) -> SpecConfig:
                       min_budget=args.min_budget, max_batch=args.batch_size,
                       prefill_chunk=args.prefill_chunk, block_size=args.block_size,
                       plain_tail=args.plain_tail, draft_ahead=not args.no_draft_ahead,
-                      score_every=args.score_every,
+                      score_every=args.score_every, refresh_every=args.refresh_every,
                       kv_blocks=kv_blocks if offload else None, **fields)
 
 
