@@ -118,13 +118,13 @@ class ModelRunner:
                 self.graphs.forget()
 
     # --- critical positions ------------------------------------------------------------------
-    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def kept_selections(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         """The selections `set_selections` last stored for `seqs`, as it takes them: positions
         [B, L, n_kv, n] (request b's first widths[b]) and the widths."""
         widths = [self.selection_len[s.row] for s in seqs]
         return self.selection[self._dev([s.row for s in seqs]), :, :, :max(widths)], widths
 
+    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def set_selections(self, seqs: list[Sequence], positions: torch.Tensor,
                        widths: list[int]) -> None:
         """Store each request's critical positions, positions[b, :, :, :widths[b]] of

@@ -10,9 +10,7 @@ a verification it stalls one step when delayed (its result is in flight), then d
 holds k drafts (fewer near max_new_tokens or the context end: `draft_limit`) and waits, with no
 work, on any step left before its slot. With `SpecConfig.drafts_ahead` there is no stall: on the
 step after its verification it drafts ahead of the result (`Work.ahead`), which the device knows.
-`naive` gives every request slot 0 (lock-step). With `SpecConfig.refresh_every` n, the
-verifications of period step // P re-select their critical positions (`Work.reselects`) when n
-divides it, and keep their selections in the n - 1 periods between.
+`naive` gives every request slot 0 (lock-step).
 `balanced` gives a request, when its prefill's result is processed on step t, the least-loaded
 slot; its first cycle may have fewer than k drafts. With delayed verification it can act from
 step t + 1 on, so slot t % P would take k + 1 drafts: a request given that slot waits one step,
@@ -21,7 +19,9 @@ leaves its slot two below the fullest, one request of the fullest moves into it.
 the slots never differ by more than one, and with B decoding requests (none offloaded: those
 keep their slot and sit out) each step verifies floor(B / P) or ceil(B / P) of them. Plain and
 n-gram verify every step; with delayed verification plain decoding runs ahead instead of stalling
-(`SpecConfig.runs_ahead`): two results may be in flight.
+(`SpecConfig.runs_ahead`): two results may be in flight. With `SpecConfig.refresh_every` n, the
+verifications of period step // P re-select their critical positions (`Work.reselects`) when n
+divides it, and keep their selections in the n - 1 periods between.
 
 Plain tail: once the decoding requests fall below `SpecConfig.plain_tail` of the most that decoded
 together, with none waiting or offloaded, the requests left stop drafting for good: each verifies
