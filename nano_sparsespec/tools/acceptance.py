@@ -131,16 +131,14 @@ class NoRepeatNgramRunner(ModelRunner):
         self.model = _BannedLogits(model, self.ngram)
 
     def _drafts_of(self, seq, count: int) -> list[int]:
-        if count <= 0:
-            return []
+        """The first `count` (>= 0) drafts of `seq`'s current cycle."""
         if self.spec.method == "ngram":
             return seq.ngram_drafts[:count]
         return self.draft_tokens[seq.row, :count].tolist()
 
     def _run(self, plan, shape, static):
-        """Set each logits row's history, in `Readout.logits` order: each check's M + 1 rows
-        (row j: the first j drafts), or without checks a copy of the first draft's row, then
-        each draft's (output and drafts before it)."""
+        """Each logits row's history, in `Readout.logits` order: each check's M + 1 rows (row j:
+        the first j drafts), or without checks the first draft's again, then each draft's."""
         histories, m_max = [], max(plan.num_drafts, default=0)
         for (w, _), m in zip(plan.checks, plan.num_drafts):
             drafts = self._drafts_of(w.seq, m)
