@@ -372,7 +372,7 @@ class Engine:
         if self.observers.on_selection is None:
             return
         if scores is not None:
-            scores = scores.repeat_interleave(self.spec.score_every, 0)[:chosen.shape[1]]
+            scores = pillar_attn.for_every_layer(scores, self.spec.score_every, chosen.shape[1], 0)
         for b, (seq, width) in enumerate(zip(seqs, widths)):
             seq_scores = None if scores is None else scores[:, b, :, :seq.num_verified]
             self.observers.on_selection(seq, seq_scores, chosen[b, ..., :width])

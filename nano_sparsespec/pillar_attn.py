@@ -100,12 +100,14 @@ def top_positions(scores: torch.Tensor, context_len, budget) -> tuple[torch.Tens
     return torch.where(real[:, None, None, :], order, 0), widths
 
 
-def for_every_layer(positions: torch.Tensor, score_every: int, num_layers: int) -> torch.Tensor:
-    """The scored layers' selections [B, Ls, n_kv, N] (layers 0, n, 2n, ...: n = score_every)
-    -> every layer's [B, L, n_kv, N]: a layer takes that of the scored layer before it."""
+def for_every_layer(per_scored: torch.Tensor, score_every: int, num_layers: int,
+                    dim: int = 1) -> torch.Tensor:
+    """The scored layers' selections [B, Ls, n_kv, N] (layers 0, n, 2n, ...: n = score_every; or
+    anything else per scored layer along `dim`) -> every layer's [B, L, n_kv, N]: a layer takes
+    that of the scored layer before it."""
     if score_every == 1:
-        return positions
-    return positions.repeat_interleave(score_every, dim=1)[:, :num_layers]
+        return per_scored
+    return per_scored.repeat_interleave(score_every, dim=dim).narrow(dim, 0, num_layers)
 
 
 def stacked(selections: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
