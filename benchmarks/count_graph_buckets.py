@@ -15,7 +15,7 @@ give at least 95% of the batch work, split into scheduling and launching it, and
 counting slot-steps; device buffers are not touched, and the selection refresh's few tensor operations,
 which a GPU only launches, compute here on the CPU.
 
-    python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY [uniform|spread]]]
+    python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY [uniform|spread [REFRESH]]]]
     python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced spread
 """
 import random
@@ -115,6 +115,7 @@ def main() -> None:
     method = sys.argv[4] if len(sys.argv) > 4 else "pillar-lookup"
     policy = sys.argv[5] if len(sys.argv) > 5 else "balanced"
     BucketCounter.spread = len(sys.argv) > 6 and sys.argv[6] == "spread"
+    refresh_every = int(sys.argv[7]) if len(sys.argv) > 7 else 1      # `SpecConfig.refresh_every`
     path = tempfile.mkdtemp()
     # a one-layer model with the embedded model's context length: buckets depend on nothing else of it
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -123,7 +124,7 @@ def main() -> None:
     async_loop.pillar_attn.top_positions = first_positions
     cuda_graphs.StepGraphs.run = replay_nothing
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
-              runner_class=BucketCounter, async_verify=policy == "balanced")
+              runner_class=BucketCounter, async_verify=policy == "balanced", refresh_every=refresh_every)
     kernels.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
@@ -145,7 +146,7 @@ def main() -> None:
 
     llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),
                  prompt_token_ids=prompts, on_step=count_slots)
-    print(f"{method} {policy}, batch {batch}, {requests} requests x {tokens} tokens: "
+    print(f"{method} {policy}, refresh_every {refresh_every}, batch {batch}, {requests} requests x {tokens} tokens: "
           f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
           f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel and "
           f"{len(score_pass_shapes(BucketCounter.recorded))} of its score pass (a compilation each)")
