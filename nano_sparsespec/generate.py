@@ -22,6 +22,7 @@ from .llm import LLM, default_device, read_prompts_file  # noqa: F401  (tools im
 
 GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
 SPARSE_METHODS = ("pillar", "streaming", "pillar-lookup")   # drafts over a budget of positions
+PILLAR_METHODS = ("pillar", "pillar-lookup")                # select from verification scores
 
 
 class Parser(argparse.ArgumentParser):
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
              "(default: %(default)s)")
     add("--min-budget", type=int, default=128,
         help="... but never fewer than this many positions (default: %(default)s)")
+    add("--refresh-every", type=int, default=1, metavar="N",
+        help="pillar, pillar-lookup: verifications choose new critical positions in one step "
+             "period in N and keep their selections in the others, computing no scores there "
+             "(cheaper verifications, slightly fewer accepted drafts) (default: %(default)s)")
     add("--batch-policy", default="balanced", choices=BATCH_POLICIES,
         help="naive: all requests verify in lock-step; balanced: verifications staggered "
              "(default: %(default)s)")
@@ -119,7 +124,9 @@ def explain(error: ValueError, args: argparse.Namespace) -> str:
     field = message.split(" ", 1)[0]
     greedy = "greedy decoding (--temperature 0) does not use it" if args.temperature == 0 else None
     sparse = "only the sparse methods use it" if args.method not in SPARSE_METHODS else None
+    pillar = "only pillar and pillar-lookup use it" if args.method not in PILLAR_METHODS else None
     why = {"top_p": greedy, "top_k": greedy, "budget_ratio": sparse, "min_budget": sparse,
+           "refresh_every": pillar,
            "stride": "--method plain does not draft" if args.method == "plain" else None}.get(field)
     if why:
         message += f" (--{field.replace('_', '-')} is checked even though {why})"
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                  seed=None if args.seed is None else args.seed + i)
                   for i in range(len(prompts))]
         spec = SpecConfig(method=args.method, stride=args.stride, budget_ratio=args.budget_ratio,
-                          min_budget=args.min_budget, batch_policy=args.batch_policy,
+                          min_budget=args.min_budget, refresh_every=args.refresh_every,
+                          batch_policy=args.batch_policy,
                           async_verify=args.async_verify, kv_blocks=args.kv_blocks,
                           max_batch=args.max_batch)
         start = time.perf_counter()

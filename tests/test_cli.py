@@ -78,6 +78,9 @@ BAD_ARGUMENTS = {
     "stride_pillar": (["--method", "pillar", "--stride", "-3"], ["stride", "-3"]),
     "budget_ratio": (["--method", "pillar", "--budget-ratio", "0"], ["budget_ratio", "0"]),
     "min_budget": (["--method", "pillar", "--min-budget", "0"], ["min_budget", "0"]),
+    "refresh_every": (["--method", "pillar", "--refresh-every", "0"], ["refresh_every", "0"]),
+    "refresh_every_streaming": (["--method", "streaming", "--refresh-every", "-1"],
+                                ["refresh_every", "-1", "only pillar and pillar-lookup use it"]),
     "kv_blocks": (["--kv-blocks", "0"], ["kv_blocks", "0"]),
     "stop": (["--stop", ""], ["stop", "''"]),
     "method": (["--method", "medusa"], ["--method", "'medusa'"]),
@@ -217,6 +220,26 @@ def test_show_drafts_where_it_does_nothing(capsys, model_dir):
     rc, out, err = cli(capsys, "--prompt", "a", "--prompt", "b",
                        *run_args(model_dir, "--show-drafts", "--method", "pillar"))
     assert rc == 0 and "\033[" not in out + err and "single streamed prompt" in err
+
+
+def test_refresh_every_reaches_the_engine_and_keeps_greedy_output(capsys, model_dir, monkeypatch):
+    """`--refresh-every 2` is the engine's `refresh_every`, and greedy text stays plain decoding's."""
+    seen = []
+
+    class Recording(generate.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.spec.refresh_every)
+
+    monkeypatch.setattr(generate, "LLM", Recording)
+    prompts = ("--prompt", "one", "--prompt", "two two")
+    long = ("--ignore-eos", "--max-new-tokens", 40)
+    rc, plain, _ = cli(capsys, *prompts, *run_args(model_dir, *long))
+    assert rc == 0
+    rc, out, _ = cli(capsys, *prompts, *run_args(model_dir, *long, "--method", "pillar-lookup",
+                                                 "--stride", 3, "--min-budget", 8,
+                                                 "--refresh-every", 2))
+    assert rc == 0 and seen == [1, 2] and out == plain
 
 
 def test_batch_offloads_in_stats_line(capsys, model_dir):
