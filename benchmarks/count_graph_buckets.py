@@ -146,7 +146,8 @@ def main() -> None:
 
     llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),
                  prompt_token_ids=prompts, on_step=count_slots)
-    print(f"{method} {policy}, refresh_every {refresh_every}, batch {batch}, {requests} requests x {tokens} tokens: "
+    print(f"{method} {policy}, refresh_every {refresh_every}, batch {batch}, "
+          f"{requests} requests x {tokens} tokens: "
           f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
           f"{len(paged_kernel_shapes(BucketCounter.recorded))} shapes of the paged kernel and "
           f"{len(score_pass_shapes(BucketCounter.recorded))} of its score pass (a compilation each)")
