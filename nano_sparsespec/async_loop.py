@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from . import ngram, pillar_attn
-from .config import SpecConfig
+from .config import PILLAR_METHODS, SpecConfig
 from .device import to_device
 from .kv_cache import KVCache
 from .model import CausalLM
@@ -302,7 +302,7 @@ class Engine:
             return
         cfg, spec = self.model.config, self.spec
         seqs = [seq for _, seq in refresh]
-        if spec.method in ("pillar", "pillar-lookup"):
+        if spec.method in PILLAR_METHODS:
             works = result.verify_works
             fresh = [(i, seq) for i, seq in refresh if works[i].reselects]
             kept = [(i, seq) for i, seq in refresh if not works[i].reselects]

@@ -152,6 +152,8 @@ class SamplingParams:
 
 
 DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full", "pillar-lookup")
+PILLAR_METHODS = ("pillar", "pillar-lookup")   # choose critical positions from verification scores
+SPARSE_METHODS = PILLAR_METHODS + ("streaming",)   # drafts over a budget of positions
 BATCH_POLICIES = ("naive", "balanced")
 DEFAULT_LOOKUP_MATCHES = 8     # pillar-lookup's matches per draft step
 
@@ -278,7 +280,7 @@ class SpecConfig:
         """Async sparse drafting: step t+1 drafts on step t's verification result, still on the
         device (its position and input token too: `draft_ahead`)."""
         return (self.async_verify and self.draft_ahead
-                and self.method in ("pillar", "pillar-lookup", "streaming"))
+                and self.method in SPARSE_METHODS)
 
     @property
     def num_lookups(self) -> int:

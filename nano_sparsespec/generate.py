@@ -17,12 +17,11 @@ import json
 import sys
 import time
 
-from .config import BATCH_POLICIES, DRAFT_METHODS, SamplingParams, SpecConfig
+from .config import (BATCH_POLICIES, DRAFT_METHODS, PILLAR_METHODS, SPARSE_METHODS, SamplingParams,
+                     SpecConfig)
 from .llm import LLM, default_device, read_prompts_file  # noqa: F401  (tools import the reader)
 
 GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
-SPARSE_METHODS = ("pillar", "streaming", "pillar-lookup")   # drafts over a budget of positions
-PILLAR_METHODS = ("pillar", "pillar-lookup")                # select from verification scores
 
 
 class Parser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import verifier
-from .config import SpecConfig
+from .config import PILLAR_METHODS, SpecConfig
 from .device import common_prefix, long_tensor
 from .kv_cache import KVCache
 from .scheduler import Sequence, Work
@@ -127,7 +127,7 @@ class StepLists:
             params = {id(w.seq.params): w.seq.params for w, _ in ws}   # (usually one object)
             return tuple(verifier.SamplingTensors.host_flags(list(params.values())).items())
         context = max((w.start + w.num_tokens for w in dense), default=0)
-        pillar = self.spec.method in ("pillar", "pillar-lookup")
+        pillar = self.spec.method in PILLAR_METHODS
         # the drafts' widest reads; a draft's window: the positions since its request's last
         # verification, its own included, and a draft ahead's the drafts in flight too (all of
         # them may be accepted)
