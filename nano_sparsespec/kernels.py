@@ -207,7 +207,7 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
                                     full_blocks=not exact_rows)
 
 
-def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int = 1) -> tuple[int, int]:
+def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int) -> tuple[int, int]:
     """(blocks per chunk, chunks) for a dense batch of `heads` (request, KV head) pairs whose block
     tables hold `blocks` blocks, of at most `capacity`: as many PAGED_CHUNK-position chunks as its
     longest context needs, rounded up to a power of two, but no more than bring its CTAs to

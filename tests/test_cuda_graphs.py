@@ -294,7 +294,8 @@ def test_contexts_are_cut_into_as_many_chunks_as_the_longest_needs():
     (requests x KV heads x chunks) to PAGED_CTAS, with chunks twice, four times ... as long instead. One chunk is the
     whole table at its widest."""
     chunk = kernels.PAGED_CHUNK // 64                                       # blocks of 64 positions per chunk
-    assert [kernels.paged_chunks(blocks, 129, 64) for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
+    # a single head: as many as the longest context needs, up to the 17 that cover 129 blocks
+    assert [kernels.paged_chunks(blocks, 129, 64, 1) for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
         [(129, 1), (129, 1), (chunk, 2), (chunk, 4), (chunk, 8), (chunk, 16), (chunk, 17)]
     ctas = kernels.PAGED_CTAS
     # a batch of ctas / 4 heads: up to 4 chunks; then chunks of 2, 4, 8 x PAGED_CHUNK (the last: 3 cover 129 blocks)
