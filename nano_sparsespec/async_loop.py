@@ -345,8 +345,9 @@ class Engine:
         seqs = [seq for _, seq in refresh]
         if self.spec.keep_accepted:
             chosen = self._keep_accepted(result, refresh, chosen, widths)
-        self.runner.set_selections(seqs, chosen, widths)   # in rank order: lookups displace the
-        self._observe_selections(seqs, chosen, widths, scores)                  # last ones
+        # in rank order: lookups displace the last ones
+        self.runner.set_selections(seqs, chosen, widths)
+        self._observe_selections(seqs, chosen, widths, scores)
 
     def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                        chosen: torch.Tensor, widths: list[int]) -> torch.Tensor:
