@@ -143,18 +143,19 @@ class ModelRunner:
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
         self._widen_draft_buffers(self.selection_room)
-        # (from the host's block tables: the device mirror is brought up to date by the next step)
-        tables = [self.cache.pool.tables[s.seq_id] for s in seqs]
-        width = max(len(t) for t in tables)
-        block_table = self._dev([t + [t[0]] * (width - len(t)) for t in tables])   # [B, blocks]
+        # the device's block tables cover every position read here: a selection's (verified) and
+        # a draft ahead's came in the launches of the steps that wrote them, all queued before this
+        block_table = self.block_tables[rows]                                     # [B, blocks]
         self._fill_draft_buffers(block_table, positions, rows,
                                  torch.arange(n, device=self.device).expand(len(seqs), -1))
         ahead = [b for b, s in enumerate(seqs) if s.num_drafts]   # drafted ahead of this
         if ahead:   # its draft's K/V (the pending position's) go to the new window's first column
-            index = self._dev(ahead)          # (a list as an index would wait for the device)
-            pending = self._dev([[seqs[b].num_verified] for b in ahead])[:, None, None, :]
-            self._fill_draft_buffers(block_table[index], pending, rows[index],
-                                     self._dev([[widths[b] + self.lookups] for b in ahead]))
+            # (one copy; a list as an index would wait for the device)
+            new = Packed({"index": ahead, "pending": [seqs[b].num_verified for b in ahead],
+                          "column": [widths[b] + self.lookups for b in ahead]}, self.device).views()
+            index = new["index"]                                                  # [A]
+            self._fill_draft_buffers(block_table[index], new["pending"][:, None, None, None],
+                                     rows[index], new["column"][:, None])
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
                             rows: torch.Tensor, columns: torch.Tensor) -> None:

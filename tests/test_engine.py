@@ -172,6 +172,31 @@ def test_rejected_drafts_are_rolled_back(tiny_qwen3, prompts, plain_greedy, meth
     assert cache.free_blocks() == cache.pool.num_blocks                    # every block back once all finished
 
 
+@pytest.mark.parametrize("method,async_verify", [("pillar", False), ("pillar-lookup", True)])
+def test_selections_are_copied_through_up_to_date_device_tables(tiny_qwen3, prompts, plain_greedy, monkeypatch,
+                                                                method, async_verify):
+    """`ModelRunner.set_selections` copies the K/V of a request's selected positions (and a draft ahead's pending
+    one) through the runner's device block tables, not the host's: at every call those rows hold the host's blocks for
+    each position it reads, also with delayed verification, drafts ahead, and a pool that offloads (kv_blocks=12)."""
+    from nano_sparsespec.runner import ModelRunner
+    checked = []
+    set_selections = ModelRunner.set_selections
+
+    def checked_selections(self, seqs, positions, widths):
+        for seq in seqs:
+            table, read = self.cache.block_table(seq.seq_id).tolist(), seq.num_verified + (1 if seq.num_drafts else 0)
+            blocks = -(-read // self.cache.block_size)
+            checked.append(len(table) >= blocks and self.block_tables[seq.row, :blocks].tolist() == table[:blocks])
+        return set_selections(self, seqs, positions, widths)
+
+    monkeypatch.setattr(ModelRunner, "set_selections", checked_selections)
+    llm, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=8, budget_ratio=0.1,
+                    batch_policy="balanced", async_verify=async_verify, kv_blocks=12, block_size=16, max_batch=5,
+                    prefill_chunk=32)
+    assert [o.token_ids for o in outs] == plain_greedy
+    assert llm.last_stats.offloads > 0 and checked and all(checked)
+
+
 def test_sparse_drafts_really_differ_from_dense(tiny_qwen3, prompts):
     """With a small budget the sparse drafter must sometimes be wrong: proof the drafts really are sparse."""
     llm, _ = run(tiny_qwen3[0], prompts, method="streaming", stride=4, min_budget=4, budget_ratio=0.01)
