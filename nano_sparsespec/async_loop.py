@@ -29,7 +29,7 @@ import torch
 
 from . import ngram, pillar_attn
 from .config import PILLAR_METHODS, SpecConfig
-from .device import to_device
+from .device import Packed, to_device
 from .kv_cache import KVCache
 from .model import CausalLM
 from .runner import ModelRunner
@@ -354,16 +354,17 @@ class Engine:
         """`chosen` [B, L, n_kv, N] (request b's first widths[b]) with the positions each
         verification just accepted (its pending token's and its accepted drafts') ranked first
         (`pillar_attn.keep_first`)."""
-        spans = [range(w.start, seq.num_verified) if w.kind == "verify" else range(0)
-                 for w, seq in ((result.verify_works[i], seq) for i, seq in refresh)]
-        M, device = max(len(s) for s in spans), self.cache.device
-        if M == 0:
+        # the positions verification i accepted: first[i], first[i] + 1, ... (count[i] of them)
+        works = [(result.verify_works[i], seq) for i, seq in refresh]
+        first, count = map(list, zip(*((w.start, seq.num_verified - w.start) if w.kind == "verify"
+                                       else (0, 0) for w, seq in works)))
+        if max(count) == 0:
             return chosen
-        keep = to_device([list(s) + [0] * (M - len(s)) for s in spans], torch.long, device)
-        valid = to_device([[True] * len(s) + [False] * (M - len(s)) for s in spans], torch.bool,
-                          device)
-        return pillar_attn.keep_first(chosen, to_device(widths, torch.long, device), keep, valid,
-                                      self.max_len)
+        spans = Packed({"first": first, "count": count, "width": widths}, self.cache.device).views()
+        j = torch.arange(max(count), device=self.cache.device)                        # [M]
+        valid = j < spans["count"][:, None]                                            # [B, M]
+        keep = torch.where(valid, spans["first"][:, None] + j, 0)
+        return pillar_attn.keep_first(chosen, spans["width"], keep, valid, self.max_len)
 
     def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
                             scores: torch.Tensor | None = None) -> None:
