@@ -57,11 +57,14 @@ class RunStats:
     graph_record_seconds: float = 0.0         # ... and the wall time that took (in `seconds`)
     graph_record_compile_seconds: float = 0.0  # ... of which torch.compile compiled
     # the host's share of `seconds`, by phase of the loop: choosing the works, launching their
-    # step (graph recording included), processing a step's results, and of that waiting for them
+    # step (graph recording included; of that, queuing its device work), processing a step's
+    # results (of that, waiting for them, and the new selections and their draft buffers)
     schedule_seconds: float = 0.0
     launch_seconds: float = 0.0
+    queue_seconds: float = 0.0
     process_seconds: float = 0.0
     result_wait_seconds: float = 0.0
+    selection_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -198,6 +201,7 @@ class Engine:
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
         self.stats.seconds = time.perf_counter() - start
+        self.stats.queue_seconds = self.runner.queue_seconds
         self.stats.offloads, self.stats.restores = (self.scheduler.offload_events,
                                                     self.scheduler.restore_events)
         graphs = self.runner.graphs
@@ -254,8 +258,11 @@ class Engine:
             self._commit(seq, new_tokens, accepted)
             if seq.status != Status.FINISHED and not seq.decodes_plainly:
                 refresh.append((i, seq))
+        selecting = time.perf_counter()
         self._refresh_drafting_state(result, refresh)
-        self.stats.process_seconds += time.perf_counter() - start
+        done = time.perf_counter()
+        self.stats.selection_seconds += done - selecting
+        self.stats.process_seconds += done - start
 
     def _commit(self, seq: Sequence, new_tokens: list[int], accepted: int) -> None:
         params = seq.params

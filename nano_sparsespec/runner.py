@@ -17,6 +17,8 @@ Must not decide who runs (the scheduler does) or re-implement attention or sampl
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import attention, verifier
@@ -56,6 +58,9 @@ class ModelRunner:
                                   lookups=self.lookups)
                        if cuda_graphs else None)
         self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
+        # host seconds spent queuing the steps' device work (graph replays, or the eager steps'
+        # kernels; graph recording included), the rest of launching being lists and copies
+        self.queue_seconds = 0.0
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
         max_blocks = -(-cfg.max_position_embeddings // cache.block_size) + 1
         # each row's block table on the device (the scratch row: the scratch block)
@@ -255,10 +260,12 @@ class ModelRunner:
         self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
         if plan.sparse:
             self._widen_draft_buffers(self.selection_room)
+        queued = time.perf_counter()
         if static:
             packed, scores = self.graphs.run(shape, upload, names)    # valid until next replay
         else:
             packed, scores = self._compute(shape, dev)
+        self.queue_seconds += time.perf_counter() - queued
         checks = len(plan.checks)
         if scores is not None:   # gathered outside the graph: read after the next replay
             scores = scores[:, dev["check_dense_index"][:checks]]

@@ -151,8 +151,9 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "engine_seconds": stats.seconds,
             # the engine loop's host time by phase (`RunStats`): where a step's wall time goes
             "host_seconds": {"schedule": stats.schedule_seconds, "launch": stats.launch_seconds,
-                             "process": stats.process_seconds,
-                             "result_wait": stats.result_wait_seconds},
+                             "queue": stats.queue_seconds, "process": stats.process_seconds,
+                             "result_wait": stats.result_wait_seconds,
+                             "selections": stats.selection_seconds},
             # compiling for shapes the warm-up did not meet: a one-time cost too, left out only
             # where it fell inside graph recording (a new bucket's first run); the rest is in
             # `seconds`
