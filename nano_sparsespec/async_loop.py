@@ -361,10 +361,12 @@ class Engine:
         """`chosen` [B, L, n_kv, N] (request b's first widths[b]) with the positions each
         verification just accepted (its pending token's and its accepted drafts') ranked first
         (`pillar_attn.keep_first`)."""
-        # the positions verification i accepted: first[i], first[i] + 1, ... (count[i] of them)
-        works = [(result.verify_works[i], seq) for i, seq in refresh]
-        first, count = map(list, zip(*((w.start, seq.num_verified - w.start) if w.kind == "verify"
-                                       else (0, 0) for w, seq in works)))
+        first, count = [], []   # accepted by request b: first[b] .. first[b] + count[b] - 1
+        for i, seq in refresh:
+            work = result.verify_works[i]
+            verified = work.kind == "verify"          # (a last prefill chunk accepted none)
+            first.append(work.start if verified else 0)
+            count.append(seq.num_verified - work.start if verified else 0)
         if max(count) == 0:
             return chosen
         spans = Packed({"first": first, "count": count, "width": widths}, self.cache.device).views()

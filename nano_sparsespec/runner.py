@@ -58,9 +58,7 @@ class ModelRunner:
                                   lookups=self.lookups)
                        if cuda_graphs else None)
         self.draft_probs: torch.Tensor | None = None                          # [rows + 1, k, V]
-        # host seconds spent queuing the steps' device work (graph replays, or the eager steps'
-        # kernels; graph recording included), the rest of launching being lists and copies
-        self.queue_seconds = 0.0
+        self.queue_seconds = 0.0   # host time queuing steps (replays, eager kernels, recording)
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
         max_blocks = -(-cfg.max_position_embeddings // cache.block_size) + 1
         # each row's block table on the device (the scratch row: the scratch block)
@@ -155,12 +153,10 @@ class ModelRunner:
                                  torch.arange(n, device=self.device).expand(len(seqs), -1))
         ahead = [b for b, s in enumerate(seqs) if s.num_drafts]   # drafted ahead of this
         if ahead:   # its draft's K/V (the pending position's) go to the new window's first column
-            # (one copy; a list as an index would wait for the device)
-            new = Packed({"index": ahead, "pending": [seqs[b].num_verified for b in ahead],
+            new = Packed({"index": ahead, "pending": [seqs[b].num_verified for b in ahead],  # [A]
                           "column": [widths[b] + self.lookups for b in ahead]}, self.device).views()
-            index = new["index"]                                                  # [A]
-            self._fill_draft_buffers(block_table[index], new["pending"][:, None, None, None],
-                                     rows[index], new["column"][:, None])
+            self._fill_draft_buffers(block_table[new["index"]], new["pending"][:, None, None, None],
+                                     rows[new["index"]], new["column"][:, None])
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
                             rows: torch.Tensor, columns: torch.Tensor) -> None:
@@ -261,10 +257,8 @@ class ModelRunner:
         if plan.sparse:
             self._widen_draft_buffers(self.selection_room)
         queued = time.perf_counter()
-        if static:
-            packed, scores = self.graphs.run(shape, upload, names)    # valid until next replay
-        else:
-            packed, scores = self._compute(shape, dev)
+        packed, scores = (self.graphs.run(shape, upload, names) if static  # valid until next replay
+                          else self._compute(shape, dev))
         self.queue_seconds += time.perf_counter() - queued
         checks = len(plan.checks)
         if scores is not None:   # gathered outside the graph: read after the next replay
