@@ -338,11 +338,11 @@ class Engine:
         spec, seqs = self.spec, [seq for _, seq in refresh]
         index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
         context = [s.num_verified for s in seqs]
-        scores = result.scores[:, index]                                  # [Ls, B, n_kv, Lmax]
-        chosen, widths = pillar_attn.top_positions(scores, context,
-                                                   [spec.budget(c) for c in context])
+        chosen, widths = pillar_attn.top_positions(result.scores, context,
+                                                   [spec.budget(c) for c in context], index)
         chosen = pillar_attn.for_every_layer(chosen, spec.score_every, self.model.config.num_layers)
-        self._set_selections(result, refresh, chosen, widths, scores)
+        observed = None if self.observers.on_selection is None else result.scores[:, index]
+        self._set_selections(result, refresh, chosen, widths, observed)   # [Ls, B, n_kv, Lmax]
 
     def _set_selections(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                         chosen: torch.Tensor, widths: list[int],

@@ -1,13 +1,14 @@
 """The fast path's kernels: torch.compile'd attention pieces and paged flex_attention.
 
 Same math as the eager path (attention.py), switched on from outside (`LLM(compile=True)`,
-`--compile`): `compile_fast_path` swaps compiled versions into attention.py's kernel table, the
-model's elementwise table and the verifier's sampling table.
+`--compile`): `compile_fast_path` swaps compiled versions into attention.py's and pillar_attn.py's
+kernel tables, the model's elementwise table and the verifier's sampling table.
 
 Owns
   * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
-    draft columns (one fused pass over every draft's critical positions) and the draft buffers'
-    fill (one copy kernel); with `paged` (a GPU with CUDA graphs) dense decoding and
+    draft columns (one fused pass over every draft's critical positions), the draft buffers'
+    fill (one copy kernel) and the selection's keys (one pass over the scores of the requests
+    that re-select); with `paged` (a GPU with CUDA graphs) dense decoding and
     verification read the paged pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, contexts cut into
@@ -28,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import attention, model, verifier
+from . import attention, model, pillar_attn, verifier
 from .attention import AttentionContext, as_words, pack_groups, unpack_groups
 from .flex_drafts import drafts_by_reading, flex_drafts
 from .pillar_attn import pillar_scores
@@ -90,14 +91,14 @@ def use_project_compile_cache() -> None:
 
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
-    """Swap torch.compile'd versions of the K/V write, the score pass, the draft branch and
-    pillar-lookup's draft columns (dynamic shapes; float tolerance), and of the draft buffers'
-    fill (`compile_fill`), into attention.py's kernel table, and with `paged` the paged dense
-    path: its attention for static shapes (flex_attention's decoding kernel wants them: one
-    compilation per batch class, query rows and chunks), the swapped score pass and its inputs
-    for a dynamic batch and context (padded steps have at least two requests: torch specialises
-    sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for static buffer rows.
-    With `exact`, a verification row gets its decode row's bits (`exact_rows`)."""
+    """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
+    K/V write, score pass, draft branch, pillar-lookup's draft columns and the selection's keys
+    (dynamic shapes; float tolerance), the draft buffers' fill (`compile_fill`); with `paged` the
+    paged dense path: its attention for static shapes (flex_attention's decoding kernel wants
+    them: one compilation per batch class, query rows and chunks), the swapped score pass and its
+    inputs for a dynamic batch and context (padded steps have at least two requests: torch
+    specialises sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for static
+    buffer rows. With `exact`, a verification row gets its decode row's bits (`exact_rows`)."""
     global exact_rows
     exact_rows = paged and exact
     kernels = attention._kernels
@@ -107,6 +108,8 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["lookup"] = verifier.sizes_apart(torch.compile(attention.lookup_draft_columns,
                                                            dynamic=True))
     kernels["fill"] = compile_fill()
+    keys = torch.compile(pillar_attn.selection_keys, dynamic=True)
+    pillar_attn._kernels["keys"] = verifier.sizes_apart(keys)
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
@@ -178,6 +181,7 @@ def use_eager_kernels() -> None:
     exact_rows = False
     set_smallest_kernel_batch(2)
     attention._kernels.update(attention.EAGER_KERNELS)
+    pillar_attn._kernels["keys"] = pillar_attn.selection_keys
     _paged.update(PAGED_PIECES)
 
 

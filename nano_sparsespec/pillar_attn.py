@@ -13,7 +13,8 @@ Owns
   * the scores: `attention_logits` / `attention_probs` (explicit float32, grouped by KV head),
     `weighted_scores` and `pillar_scores`;
   * the selection policies: `select_pillar` (top-B of the scores; B = `SpecConfig.budget`; for a
-    whole batch at once `top_positions`, and `for_every_layer` when only some layers score) and
+    whole batch at once `top_positions`, which ranks `selection_keys` (`_kernels`: the fast path
+    compiles them), and `for_every_layer` when only some layers score) and
     `select_streaming` (StreamingLLM: sinks + most recent, the baseline); `stacked` batches
     per-request selections;
   * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first`.
@@ -74,30 +75,42 @@ def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tenso
     return [positions[b, ..., :w] for b, w in enumerate(widths)]
 
 
-def top_positions(scores: torch.Tensor, context_len, budget) -> tuple[torch.Tensor, list[int]]:
-    """`select_pillar` for the whole batch at once: arguments as there -> (positions
-    [B, L, n_kv, N] best first, position 0 past each request's own, and the widths
-    min(B_b, len_b), B ints; N the largest).
+def top_positions(scores: torch.Tensor, context_len, budget,
+                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """`select_pillar` for the whole batch at once: arguments as there, or the requests `rows`
+    [B] of scores [Ls, Bs, n_kv, Lmax] -> (positions [B, L, n_kv, N] best first, position 0 past
+    each request's own, and the widths min(B_b, len_b), B ints; N the largest).
     Ties break towards the lower position, so the selection is deterministic: one top-k over int32
-    keys, a score's float32 bits above (a non-negative float's bits order like its value) and its
-    position's complement in the lowest ceil(log2 Lmax) bits. Those bits are taken from the score's
-    23-bit mantissa: scores that agree to 1 part in 2^(23 - ceil(log2 Lmax)) (2^-11 at Lmax 4,096)
-    count as tied. 32-bit keys take half the radix passes of 64-bit ones. The counts are host
-    ints: nothing here waits for the device."""
+    keys (`selection_keys`). The counts are host ints: nothing here waits for the device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
     Lmax, device = scores.shape[-1], scores.device
+    if rows is None:
+        rows = torch.arange(scores.shape[1], device=device)
     widths = [min(b, c) for b, c in zip(budget, context)]
-    columns = torch.arange(Lmax, device=device, dtype=torch.int32)
-    # [B, Lmax]
-    in_context = columns[None, :] < to_device(context, torch.long, device)[:, None]
-    masked = scores.float().masked_fill(~in_context[None, :, None, :], float("-inf"))
-    position_bits = max(1, (Lmax - 1).bit_length())
-    # [L, B, n_kv, Lmax]; -inf's bits are negative: below every score
-    keys = (masked.view(torch.int32) >> position_bits << position_bits) | (Lmax - 1 - columns)
+    keys = _kernels["keys"](scores, rows, to_device(context, torch.long, device),
+                            max(1, (Lmax - 1).bit_length()))                  # [L, B, n_kv, Lmax]
     N = max(widths)
     order = keys.topk(N, dim=-1).indices.transpose(0, 1)                       # [B, L, n_kv, N]
-    real = columns[:N][None, :] < to_device(widths, torch.long, device)[:, None]  # [B, N]
+    columns = torch.arange(N, device=device)
+    real = columns[None, :] < to_device(widths, torch.long, device)[:, None]  # [B, N]
     return torch.where(real[:, None, None, :], order, 0), widths
+
+
+def selection_keys(scores: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
+                   position_bits: int) -> torch.Tensor:
+    """The keys `top_positions` ranks, for the requests rows [B] of scores [Ls, Bs, n_kv, Lmax],
+    of contexts context [B] -> int32 [Ls, B, n_kv, Lmax]: a score's float32 bits above (a
+    non-negative float's bits order like its value; -inf past the context, whose bits are negative:
+    below every score) and its position's complement in the lowest `position_bits` (ceil(log2
+    Lmax)). Those bits are taken from the score's 23-bit mantissa: scores that agree to 1 part in
+    2^(23 - position_bits) (2^-11 at Lmax 4,096) count as tied, and the lower position wins.
+    32-bit keys take half the radix passes of 64-bit ones. One elementwise pass: the fast path
+    compiles it into one kernel (kernels.py)."""
+    Lmax = scores.shape[-1]
+    columns = torch.arange(Lmax, device=scores.device, dtype=torch.int32)
+    in_context = columns[None, :] < context[:, None]                          # [B, Lmax]
+    masked = scores[:, rows].float().masked_fill(~in_context[None, :, None, :], float("-inf"))
+    return (masked.view(torch.int32) >> position_bits << position_bits) | (Lmax - 1 - columns)
 
 
 def for_every_layer(per_scored: torch.Tensor, score_every: int, num_layers: int,
@@ -179,3 +192,7 @@ def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch
     """A ranked selection with the valid `keep` positions (distinct, inside the context) ranked
     first, the budget unchanged: arguments and result as `merge_ranked`."""
     return merge_ranked(selection, selection_len, keep, keep_valid, positions, extra_first=True)
+
+
+# what `top_positions` calls: the eager `selection_keys`, or the fast path's compiled one
+_kernels = {"keys": selection_keys}

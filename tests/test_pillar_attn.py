@@ -923,6 +923,37 @@ def test_compiled_kernels_match_eager():
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
+def test_compiled_selection_keys_rank_as_the_eager_ones():
+    """The selection's keys as `compile_kernels` compiles them (one pass over the scores of the requests that
+    re-select) are the eager keys bit for bit, for a subset of a step's requests, a request alone and growing
+    contexts (one compilation for them all, and one for a request alone: torch specialises a size of 1); so the
+    fast path selects exactly the positions the eager path selects."""
+    from nano_sparsespec import pillar_attn
+    g = torch.Generator().manual_seed(11)
+    cases = [(5, [3, 0, 4], 20), (6, [2], 100), (9, [8, 1, 5, 0], 1000), (2, [1, 0], 4100)]   # (Bs, rows, Lmax)
+    inputs = []
+    for requests, rows, Lmax in cases:
+        scores = (torch.rand(2, requests, N_KV, Lmax, generator=g) * 64).floor() / 64        # many ties
+        context = torch.randint(Lmax // 2, Lmax + 1, (len(rows),), generator=g)
+        inputs.append((scores, torch.tensor(rows), context, max(1, (Lmax - 1).bit_length())))
+    eager = [pillar_attn.selection_keys(*args) for args in inputs]
+    kernels.compile_kernels()
+    try:
+        assert pillar_attn._kernels["keys"] is not pillar_attn.selection_keys
+        with CompiledFrames() as compiled:
+            fast = [pillar_attn._kernels["keys"](*args) for args in inputs]
+            scores, rows, context, _ = inputs[2]
+            chosen, widths = pillar_attn.top_positions(scores, context, [50, 600, 9, 300], rows)
+    finally:
+        kernels.use_eager_kernels()
+    assert pillar_attn._kernels["keys"] is pillar_attn.selection_keys
+    assert all(torch.equal(a, b) for a, b in zip(fast, eager))
+    assert compiled.frames["selection_keys"][0] == 2
+    reference, reference_widths = pillar_attn.top_positions(scores[:, rows], context, [50, 600, 9, 300])
+    assert widths == reference_widths and torch.equal(chosen, reference)
+
+
+@pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
 def test_static_dims_stay_static_for_the_output_of_a_dynamic_function(monkeypatch):
     """A compiled paged piece (`_static_but`) is specialised on every dim but those it names, also for a tensor that
     a function compiled for dynamic shapes returned (the rope's q), which carries that function's dynamic dims: the
