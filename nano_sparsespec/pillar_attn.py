@@ -17,7 +17,8 @@ Owns
     compiles them), and `for_every_layer` when only some layers score) and
     `select_streaming` (StreamingLLM: sinks + most recent, the baseline); `stacked` batches
     per-request selections;
-  * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first`.
+  * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first` (through
+    `_kernels`, as `top_positions`).
 The first cycle after prefill has no verification yet: its scores come from the prompt's last row.
 
 Must not know about scheduling, sampling or the KV cache's layout.
@@ -191,8 +192,9 @@ def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch
                keep_valid: torch.Tensor, positions: int) -> torch.Tensor:
     """A ranked selection with the valid `keep` positions (distinct, inside the context) ranked
     first, the budget unchanged: arguments and result as `merge_ranked`."""
-    return merge_ranked(selection, selection_len, keep, keep_valid, positions, extra_first=True)
+    return _kernels["merge"](selection, selection_len, keep, keep_valid, positions, True)
 
 
-# what `top_positions` calls: the eager `selection_keys`, or the fast path's compiled one
-_kernels = {"keys": selection_keys}
+# what `top_positions` and `keep_first` call: the eager functions, or the fast path's compiled ones
+EAGER_KERNELS = {"keys": selection_keys, "merge": merge_ranked}
+_kernels = dict(EAGER_KERNELS)

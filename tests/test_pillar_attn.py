@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from nano_sparsespec import attention, kernels, swapped_scores
+from nano_sparsespec import attention, embedded, kernels, swapped_scores
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
 from nano_sparsespec.pillar_attn import attention_logits, pillar_scores, select_pillar, select_streaming
@@ -923,32 +923,40 @@ def test_compiled_kernels_match_eager():
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile (dynamo + a C compiler) unavailable")
-def test_compiled_selection_keys_rank_as_the_eager_ones():
-    """The selection's keys as `compile_kernels` compiles them (one pass over the scores of the requests that
-    re-select) are the eager keys bit for bit, for a subset of a step's requests, a request alone and growing
-    contexts (one compilation for them all, and one for a request alone: torch specialises a size of 1); so the
-    fast path selects exactly the positions the eager path selects."""
+def test_compiled_selection_pieces_match_the_eager_ones():
+    """The selection's keys and its re-ranking (`keep_first`) as `compile_kernels` compiles them (a few kernels
+    instead of dozens of eager ones) equal the eager ones bit for bit, for a subset of a step's requests, a request
+    alone and growing contexts and selections (one compilation for them all, and one for a request alone: torch
+    specialises a size of 1); so the fast path selects exactly the positions the eager path selects."""
     from nano_sparsespec import pillar_attn
     g = torch.Generator().manual_seed(11)
     cases = [(5, [3, 0, 4], 20), (6, [2], 100), (9, [8, 1, 5, 0], 1000), (2, [1, 0], 4100)]   # (Bs, rows, Lmax)
-    inputs = []
+    keys_inputs, keep_inputs = [], []
     for requests, rows, Lmax in cases:
         scores = (torch.rand(2, requests, N_KV, Lmax, generator=g) * 64).floor() / 64        # many ties
         context = torch.randint(Lmax // 2, Lmax + 1, (len(rows),), generator=g)
-        inputs.append((scores, torch.tensor(rows), context, max(1, (Lmax - 1).bit_length())))
-    eager = [pillar_attn.selection_keys(*args) for args in inputs]
+        keys_inputs.append((scores, torch.tensor(rows), context, max(1, (Lmax - 1).bit_length())))
+        B, N, M = len(rows), Lmax // 10, 3 + len(rows)        # ranked selections, M positions to keep first
+        selection = torch.stack([torch.randperm(Lmax, generator=g)[:N] for _ in range(B * 2 * N_KV)])
+        keep = torch.stack([torch.randperm(Lmax, generator=g)[:M] for _ in range(B)])
+        keep_inputs.append((selection.view(B, 2, N_KV, N), torch.randint(N // 2, N + 1, (B,), generator=g), keep,
+                            torch.rand(B, M, generator=g) < 0.7, Lmax))
+    eager_keys = [pillar_attn.selection_keys(*args) for args in keys_inputs]
+    eager_kept = [pillar_attn.keep_first(*args) for args in keep_inputs]
     kernels.compile_kernels()
     try:
-        assert pillar_attn._kernels["keys"] is not pillar_attn.selection_keys
+        assert all(pillar_attn._kernels[name] is not fn for name, fn in pillar_attn.EAGER_KERNELS.items())
         with CompiledFrames() as compiled:
-            fast = [pillar_attn._kernels["keys"](*args) for args in inputs]
-            scores, rows, context, _ = inputs[2]
+            fast_keys = [pillar_attn._kernels["keys"](*args) for args in keys_inputs]
+            fast_kept = [pillar_attn.keep_first(*args) for args in keep_inputs]
+            scores, rows, context, _ = keys_inputs[2]
             chosen, widths = pillar_attn.top_positions(scores, context, [50, 600, 9, 300], rows)
     finally:
         kernels.use_eager_kernels()
-    assert pillar_attn._kernels["keys"] is pillar_attn.selection_keys
-    assert all(torch.equal(a, b) for a, b in zip(fast, eager))
-    assert compiled.frames["selection_keys"][0] == 2
+    assert pillar_attn._kernels == pillar_attn.EAGER_KERNELS
+    assert all(torch.equal(a, b) for a, b in zip(fast_keys, eager_keys))
+    assert all(torch.equal(a, b) for a, b in zip(fast_kept, eager_kept))
+    assert compiled.frames["selection_keys"][0] == 2 and compiled.frames["merge_ranked"][0] == 2
     reference, reference_widths = pillar_attn.top_positions(scores[:, rows], context, [50, 600, 9, 300])
     assert widths == reference_widths and torch.equal(chosen, reference)
 
@@ -1117,10 +1125,10 @@ def test_compiled_kernels_are_cached_in_the_project(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     cache_dir()                                                    # torch writes its default into the environment
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
-    kernels.use_project_compile_cache()
+    embedded.use_project_compile_cache()
     assert cache_dir() == str(tmp_path / "torch-compile")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    kernels.use_project_compile_cache()
+    embedded.use_project_compile_cache()
     assert cache_dir() == str(tmp_path / "mine")
     assert model_module._ops == model_module._eager_ops and verifier._fused["verify"] is verifier._verify_logits
 
