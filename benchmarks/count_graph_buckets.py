@@ -106,7 +106,7 @@ CONTEXT_CAPACITY = 8192  # positions a block table holds: the embedded model's c
 KV_HEADS = 3             # the embedded model's (the paged kernel's chunks follow its CTAs)
 
 
-def first_positions(scores, context, budgets):
+def first_positions(scores, context, budgets, rows=None):
     return torch.zeros(len(budgets), 1, 1, max(budgets), dtype=torch.long), list(budgets)
 
 
