@@ -7,8 +7,9 @@ kernel tables, the model's elementwise table and the verifier's sampling table.
 Owns
   * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
     draft columns (one fused pass over every draft's critical positions), the draft buffers'
-    fill (one copy kernel), the selection's keys and re-ranking (a few kernels each, not dozens);
-    with `paged` (a GPU with CUDA graphs) dense decoding and verification read the pool in place:
+    fill (one copy kernel), the selection's keys (one pass over the scores, not five) and, with
+    `paged` (a GPU with CUDA graphs), its re-ranking; there dense decoding and verification read
+    the pool in place:
   * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
     `paged_dense` and `paged_attention` (flex_attention's decoding kernel, contexts cut into
     chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows every step cuts
@@ -78,13 +79,14 @@ def set_smallest_kernel_batch(dense_batch: int) -> None:
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
-    K/V write, score pass, draft branch, pillar-lookup's draft columns, the selection's keys and
-    re-ranking (dynamic shapes; float tolerance) and the draft buffers' fill (`compile_fill`);
-    with `paged` the paged dense path: its attention for static shapes (flex_attention's decoding
-    kernel wants them: one compilation per batch class, query rows and chunks), the swapped score
-    pass and its inputs for a dynamic batch and context (padded steps have at least two requests:
-    torch specialises sizes 0 and 1), and the drafts' attention in place (`flex_drafts`) for
-    static buffer rows. With `exact`, a verification row gets its decode row's bits."""
+    K/V write, score pass, draft branch, pillar-lookup's draft columns and the selection's keys
+    (dynamic shapes; float tolerance) and the draft buffers' fill (`compile_fill`); with `paged`
+    the selection's re-ranking and the paged dense path: its attention for static shapes
+    (flex_attention's decoding kernel wants them: one compilation per batch class, query rows and
+    chunks), the swapped score pass and its inputs for a dynamic batch and context (padded steps
+    have at least two requests: torch specialises sizes 0 and 1), and the drafts' attention in
+    place (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets its decode
+    row's bits."""
     global exact_rows
     exact_rows = paged and exact
     kernels = attention._kernels
@@ -93,9 +95,10 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["sparse"] = _dynamic(attention.sparse_drafts)
     kernels["lookup"] = _dynamic(attention.lookup_draft_columns)
     kernels["fill"] = compile_fill()
-    eager_selection = pillar_attn.EAGER_KERNELS
-    pillar_attn._kernels.update({name: _dynamic(fn) for name, fn in eager_selection.items()})
+    pillar_attn._kernels["keys"] = _dynamic(pillar_attn.selection_keys)
     if paged:
+        # (torch's CPU compiler makes the re-ranking's scatters and scans slower than eager ones)
+        pillar_attn._kernels["merge"] = _dynamic(pillar_attn.merge_ranked)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
         # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse) and
