@@ -341,8 +341,9 @@ class Engine:
         chosen, widths = pillar_attn.top_positions(result.scores, context,
                                                    [spec.budget(c) for c in context], index)
         chosen = pillar_attn.for_every_layer(chosen, spec.score_every, self.model.config.num_layers)
+        # the scores an observer sees, [Ls, B, n_kv, Lmax]
         observed = None if self.observers.on_selection is None else result.scores[:, index]
-        self._set_selections(result, refresh, chosen, widths, observed)   # [Ls, B, n_kv, Lmax]
+        self._set_selections(result, refresh, chosen, widths, observed)
 
     def _set_selections(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                         chosen: torch.Tensor, widths: list[int],
