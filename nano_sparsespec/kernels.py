@@ -148,8 +148,9 @@ def compile_fill():
     integer words (`as_words`: a bfloat16 row of 64 moves as 16 words, each element's index math
     done once per word). A batch or a list of one position is given twice (the same copies again),
     a table of one block gets a second column (unread): torch would specialise a size of 1 (and
-    an index tensor's offset: they go in as copies). So two compilations serve a run: positions
-    per layer and KV head (a selection), and positions shared by all (a pending draft's, lookup)."""
+    an index tensor's offset: one with an offset goes in as a copy). So two compilations serve a
+    run: positions per layer and KV head (a selection), and positions shared by all (a pending
+    draft's, lookup)."""
     # batch, table width and positions per row dynamic
     compiled = verifier.sizes_apart(_static_but(attention.fill_draft_buffers,
                                                 {4: (0, 1), 6: (0, 3), 7: (0,), 8: (0, 1)}))
@@ -158,7 +159,7 @@ def compile_fill():
              columns) -> None:
         if positions.shape[-1] == 1:
             positions, columns = positions.repeat(1, 1, 1, 2), columns.repeat(1, 2)
-        block_table, rows = block_table.clone(), rows.clone()
+        block_table, rows = (x.clone() if x.storage_offset() else x for x in (block_table, rows))
         if block_table.shape[1] == 1:
             block_table = block_table.repeat(1, 2)
         if positions.shape[0] == 1:
