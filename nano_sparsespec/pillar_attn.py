@@ -79,14 +79,12 @@ def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tenso
 def top_positions(scores: torch.Tensor, context_len, budget,
                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """`select_pillar` for the whole batch at once: arguments as there, or the requests `rows`
-    [B] of scores [Ls, Bs, n_kv, Lmax] -> (positions [B, L, n_kv, N] best first, position 0 past
-    each request's own, and the widths min(B_b, len_b), B ints; N the largest).
+    [B] of scores [Ls, Bs, n_kv, Lmax] (None: all) -> (positions [B, L, n_kv, N] best first,
+    position 0 past each request's own, and the widths min(B_b, len_b), B ints; N the largest).
     Ties break towards the lower position, so the selection is deterministic: one top-k over int32
     keys (`selection_keys`). The counts are host ints: nothing here waits for the device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
     Lmax, device = scores.shape[-1], scores.device
-    if rows is None:
-        rows = torch.arange(scores.shape[1], device=device)
     widths = [min(b, c) for b, c in zip(budget, context)]
     keys = _kernels["keys"](scores, rows, to_device(context, torch.long, device),
                             max(1, (Lmax - 1).bit_length()))                  # [L, B, n_kv, Lmax]
@@ -97,20 +95,21 @@ def top_positions(scores: torch.Tensor, context_len, budget,
     return torch.where(real[:, None, None, :], order, 0), widths
 
 
-def selection_keys(scores: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
+def selection_keys(scores: torch.Tensor, rows: torch.Tensor | None, context: torch.Tensor,
                    position_bits: int) -> torch.Tensor:
-    """The keys `top_positions` ranks, for the requests rows [B] of scores [Ls, Bs, n_kv, Lmax],
-    of contexts context [B] -> int32 [Ls, B, n_kv, Lmax]: a score's float32 bits above (a
-    non-negative float's bits order like its value; -inf past the context, whose bits are negative:
-    below every score) and its position's complement in the lowest `position_bits` (ceil(log2
-    Lmax)). Those bits are taken from the score's 23-bit mantissa: scores that agree to 1 part in
-    2^(23 - position_bits) (2^-11 at Lmax 4,096) count as tied, and the lower position wins.
-    32-bit keys take half the radix passes of 64-bit ones. One elementwise pass: the fast path
-    compiles it into one kernel (kernels.py)."""
+    """The keys `top_positions` ranks, for the requests rows [B] (None: all) of scores
+    [Ls, Bs, n_kv, Lmax], of contexts context [B] -> int32 [Ls, B, n_kv, Lmax]: a score's float32
+    bits above (a non-negative float's bits order like its value; -inf past the context, whose bits
+    are negative: below every score) and its position's complement in the lowest `position_bits`
+    (ceil(log2 Lmax)). Those bits are taken from the score's 23-bit mantissa: scores that agree
+    to 1 part in 2^(23 - position_bits) (2^-11 at Lmax 4,096) count as tied, and the lower
+    position wins. 32-bit keys take half the radix passes of 64-bit ones. One elementwise pass:
+    the fast path compiles it into one kernel (kernels.py)."""
     Lmax = scores.shape[-1]
     columns = torch.arange(Lmax, device=scores.device, dtype=torch.int32)
     in_context = columns[None, :] < context[:, None]                          # [B, Lmax]
-    masked = scores[:, rows].float().masked_fill(~in_context[None, :, None, :], float("-inf"))
+    selected = scores if rows is None else scores[:, rows]                   # [Ls, B, n_kv, Lmax]
+    masked = selected.float().masked_fill(~in_context[None, :, None, :], float("-inf"))
     return (masked.view(torch.int32) >> position_bits << position_bits) | (Lmax - 1 - columns)
 
 
