@@ -92,13 +92,13 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels = attention._kernels
     kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    kernels["sparse"] = _dynamic(attention.sparse_drafts)
-    kernels["lookup"] = _dynamic(attention.lookup_draft_columns)
+    kernels["sparse"] = verifier.compiled_apart(attention.sparse_drafts)
+    kernels["lookup"] = verifier.compiled_apart(attention.lookup_draft_columns)
     kernels["fill"] = compile_fill()
-    pillar_attn._kernels["keys"] = _dynamic(pillar_attn.selection_keys)
+    pillar_attn._kernels["keys"] = verifier.compiled_apart(pillar_attn.selection_keys)
     if paged:
         # (torch's CPU compiler makes the re-ranking's scatters and scans slower than eager ones)
-        pillar_attn._kernels["merge"] = _dynamic(pillar_attn.merge_ranked)
+        pillar_attn._kernels["merge"] = verifier.compiled_apart(pillar_attn.merge_ranked)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
         # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse) and
@@ -113,11 +113,6 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
         in_place = verifier.sizes_apart(_static_but(flex_drafts, rows_dynamic | {10: (2,)}))
         kernels.update(paged=paged_dense, prepare=paged_prepare,
                        sparse=drafts_by_reading(kernels["sparse"], in_place))
-
-
-def _dynamic(fn):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`verifier.sizes_apart`)."""
-    return verifier.sizes_apart(torch.compile(fn, dynamic=True))
 
 
 def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):

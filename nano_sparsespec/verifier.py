@@ -323,9 +323,14 @@ def sizes_apart(compiled):
     return run
 
 
+def compiled_apart(fn):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`)."""
+    return sizes_apart(torch.compile(fn, dynamic=True))
+
+
 def compile_sampling() -> None:
     """Swap in torch.compile'd (fused) draft sampling and verification."""
-    _fused["drafts"] = sizes_apart(torch.compile(_sample_drafts, dynamic=True))
+    _fused["drafts"] = compiled_apart(_sample_drafts)
     _fused["verify"] = torch.compile(_verify_logits, dynamic=True)
 
 
