@@ -26,6 +26,9 @@ class BlockPool:
         self.free = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        # requests whose table changed since a reader (the runner's mirror of the tables) last
+        # took them out: most steps change few tables, so the reader need not compare them all
+        self.changed: set[int] = set()
 
     def blocks_needed(self, seq_id: int, extra_tokens: int) -> int:
         """New blocks `seq_id` needs to hold `extra_tokens` more positions."""
@@ -42,6 +45,7 @@ class BlockPool:
         table = self.tables.setdefault(seq_id, [])
         if need:
             table.extend(self.free.popleft() for _ in range(need))
+            self.changed.add(seq_id)
         self.lengths[seq_id] = self.lengths.get(seq_id, 0) + extra_tokens
 
     def shrink(self, seq_id: int, n_tokens: int) -> None:
@@ -56,11 +60,13 @@ class BlockPool:
         if keep < len(table):
             self.free.extend(table[keep:])
             del table[keep:]
+            self.changed.add(seq_id)
 
     def release(self, seq_id: int) -> list[int]:
         """Forget `seq_id` and return its blocks (in order) to the free list."""
         table = self.tables.pop(seq_id, [])
         self.lengths.pop(seq_id, None)
+        self.changed.discard(seq_id)
         self.free.extend(table)
         return table
 

@@ -306,13 +306,14 @@ class StepLists:
 
     def table_changes(self, seqs: list[Sequence]) -> list[list[int]]:
         """(row, column, block) entries of the device tables that differ from the host tables of
-        `seqs` (only ends change); columns past a table keep stale, valid, masked block ids."""
-        changes = []
-        for seq in seqs:
-            table = self.cache.pool.tables[seq.seq_id]
+        `seqs` (only ends change); columns past a table keep stale, valid, masked block ids.
+        Only the tables the pool marks changed are compared (a request's first table too)."""
+        changes, pool = [], self.cache.pool
+        for seq in [s for s in seqs if s.seq_id in pool.changed]:
+            pool.changed.discard(seq.seq_id)
+            table = pool.tables[seq.seq_id]
             owner, sent = self.tables_sent[seq.row]
-            if owner != seq.seq_id or sent != table:
-                same = common_prefix(sent, table) if owner == seq.seq_id else 0
-                changes += [[seq.row, j, table[j]] for j in range(same, len(table))]
-                self.tables_sent[seq.row] = (seq.seq_id, list(table))
+            same = common_prefix(sent, table) if owner == seq.seq_id else 0
+            changes += [[seq.row, j, table[j]] for j in range(same, len(table))]
+            self.tables_sent[seq.row] = (seq.seq_id, list(table))
         return changes
