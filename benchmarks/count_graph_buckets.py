@@ -1,6 +1,6 @@
 """How many CUDA-graph buckets a bench row records, counted on the host alone (no GPU, no model math),
 where its slot-steps go when every request accepts alike, or as differently as a measured row's requests,
-and what the host's work costs a step.
+how much of its steps' shapes is padding, and what the host's work costs a step.
 
 The engine, scheduler, bucketing and the runner's host side of a step (its lists, their packing, the block
 tables' changes) run as they do on the GPU; no graph is replayed, and the step's results are made up: each
@@ -9,11 +9,13 @@ probability of each request's own, drawn so that its mean accepted count follows
 pillar-lookup row's requests (`SPREAD`, linear between them), and selects the budget's first positions.
 Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a request drafts or
 verifies (busy), sits out a step while its verification is in flight (stall), waits for its verify slot or
-its prefill, or the slot holds no request (empty). Host milliseconds a step: the median over the steps that
-give at least 95% of the batch work, split into scheduling and launching it, and the rest of the loop
-(processing the step before's results), leaving out the time this script spends making up results and
-counting slot-steps; device buffers are not touched, and the selection refresh's few tensor operations,
-which a GPU only launches, compute here on the CPU.
+its prefill, or the slot holds no request (empty). Padding: the share of the key positions the verifications'
+score pass gathers (the bucket's dense batch x its longest context) and of the positions the drafts attend to
+(its sparse batch x (widest selection + widest window)) past each request's own. Host milliseconds a step:
+the median over the steps that give at least 95% of the batch work, split into scheduling and launching it,
+and the rest of the loop (processing the step before's results), leaving out the time this script spends
+making up results and counting slot-steps and padding; device buffers are not touched, and the selection
+refresh's few tensor operations, which a GPU only launches, compute here on the CPU.
 
     python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY [uniform|spread [REFRESH]]]]
     python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced spread
@@ -65,11 +67,22 @@ class BucketCounter(ModelRunner):
     acceptance: dict = {}          # seq_id -> its per-draft acceptance probability (spread)
     spread = False
     made_up_seconds = 0.0          # spent making up results: not the host's work, left out of it
+    # positions (bucketed shape, the requests' own) the score pass gathers keys of, a whole
+    # context a scored dense row, and that the drafts attend to, selection and window a draft
+    gathered, sparse = Counter(), Counter()
 
     def _run(self, plan, shape, static):
         super()._run(plan, shape, static)                     # lists, packing, table changes
         started = time.perf_counter()
         self.recorded.add(shape)
+        if shape.scores:
+            bs = self.cache.block_size
+            self.gathered["shape"] += shape.dense_batch * shape.dense_blocks * bs
+            self.gathered["own"] += sum(-(-(w.start + w.num_tokens) // bs) * bs for w, _ in plan.dense)
+        if shape.sparse_batch:
+            self.sparse["shape"] += shape.sparse_batch * (shape.selection_width + shape.window)
+            self.sparse["own"] += sum(self.selection_len[w.seq.row] + w.start - w.seq.num_verified + 1
+                                      for w, _ in plan.sparse)
         width = max(plan.num_drafts, default=0)
         rows = []
         for (work, _), drafts in zip(plan.checks, plan.num_drafts):
@@ -155,6 +168,11 @@ def main() -> None:
     print("slot-steps: " + ", ".join(f"{kind} {slot_steps[kind] / total:.1%}"
                                      for kind in ("busy", "stall", "wait", "empty"))
           + (f"; mean accepted {statistics.mean(accepted):.2f}" if accepted else ""))
+    padding = [f"{1 - c['own'] / c['shape']:.1%} of {what}"
+               for c, what in ((BucketCounter.gathered, "the keys the score pass gathers"),
+                               (BucketCounter.sparse, "the positions drafts attend to")) if c]
+    if padding:
+        print("padding past the requests' own contexts and selections: " + ", ".join(padding))
     if host:
         whole, launch = (1e3 * statistics.median(t) for t in zip(*host))
         print(f"host a step ({len(host)} steps with 95% of the batch working, median): {whole:.2f} ms, "
