@@ -77,8 +77,8 @@ def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
     # a tile of positions within its request's context sees every block of rows, through
     # `seen_by`; one past it lists none (its positions score 0)
     block_mask = BlockMask.from_kv_blocks(
-        row_blocks_per_tile(q_start + Q - 1, tiles, row_blocks),
-        torch.arange(row_blocks, dtype=torch.int32, device=keys.device).repeat(B, 1, tiles, 1),
+        row_blocks_per_tile(q_start + Q - 1, tiles, row_blocks, n_kv),
+        torch.arange(row_blocks, dtype=torch.int32, device=keys.device).repeat(B, n_kv, tiles, 1),
         BLOCK_SIZE=(SCORE_TILE, SCORE_ROWS), mask_mod=seen_by, seq_lengths=(L, R),
         compute_q_blocks=False)                   # (the transposed lists serve only a backward)
     values = rows.new_zeros(B, n_kv, R, SCORE_VALUE_DIM)
@@ -88,14 +88,18 @@ def score_pass(scores, keys, rows, shift, q_start, Q: int) -> None:
     scores.copy_(aux.lse.float().exp())
 
 
-def row_blocks_per_tile(last_position, tiles: int, row_blocks: int) -> torch.Tensor:
-    """The score pass's block counts [B, 1, tiles] int32: all `row_blocks` blocks of rows for a tile
-    of SCORE_TILE positions that starts at or before its request's last row's position
+def row_blocks_per_tile(last_position, tiles: int, row_blocks: int, heads: int) -> torch.Tensor:
+    """The score pass's block counts [B, heads, tiles] int32: all `row_blocks` blocks of rows for a
+    tile of SCORE_TILE positions that starts at or before its request's last row's position
     last_position [B], none past it: a verification's rows see nothing there, and the kernel
-    skips a tile that lists nothing, so the pass costs a request's context, not the longest."""
+    skips a tile that lists nothing, so the pass costs a request's context, not the longest.
+    One list per KV head rather than one broadcast over them: the compiled kernel steps from a
+    request's lists to the next by the heads' dim's stride, which the compiler may set freely for
+    a dim of size 1 (request b then reads another request's counts)."""
     first = torch.arange(tiles, device=last_position.device) * SCORE_TILE             # [tiles]
     within = first[None, :] <= last_position[:, None]                                  # [B, tiles]
-    return (within * row_blocks).to(torch.int32)[:, None]
+    counts = (within * row_blocks).to(torch.int32)[:, None]                          # [B, 1, tiles]
+    return counts.expand(-1, heads, -1).contiguous()
 
 
 def score_inputs(q, q_index, k_layer, block_table, block_size: int, score_weight, lse):

@@ -534,9 +534,10 @@ def test_the_score_pass_visits_the_tiles_of_each_context_only():
     request's last row's position, and none for a tile past it (the compiled kernel skips those; torch's reference
     flex_attention ignores block lists, so the lists are checked here)."""
     T = swapped_scores.SCORE_TILE
-    counts = swapped_scores.row_blocks_per_tile(torch.tensor([0, T - 1, T, 3 * T + 5]), 4, 2)
-    assert counts.dtype == torch.int32 and counts.shape == (4, 1, 4)
-    assert counts[:, 0].tolist() == [[2, 0, 0, 0], [2, 0, 0, 0], [2, 2, 0, 0], [2, 2, 2, 2]]
+    counts = swapped_scores.row_blocks_per_tile(torch.tensor([0, T - 1, T, 3 * T + 5]), 4, 2, heads=3)
+    assert counts.dtype == torch.int32 and counts.shape == (4, 3, 4) and counts.is_contiguous()
+    for head in range(3):
+        assert counts[:, head].tolist() == [[2, 0, 0, 0], [2, 0, 0, 0], [2, 2, 0, 0], [2, 2, 2, 2]]
 
 
 def test_runs_attend_and_score_as_one_batch(tmp_path):
@@ -1064,7 +1065,7 @@ def test_compiled_score_pass_serves_every_batch_and_context():
     head_dim, Q, R = 16, 3, swapped_scores.SCORE_ROWS
     g = torch.Generator().manual_seed(14)
     cases = []
-    for B, L in ((5, 256), (7, 384), (3, 1024)):
+    for B, L in ((5, 256), (7, 384), (3, 1024), (4, 320)):
         keys = torch.randn(B, N_KV, L, head_dim, generator=g).cuda()
         rows = torch.randn(B, N_KV, R, head_dim, generator=g).cuda()
         shift = (torch.randn(B, N_KV, R, generator=g) + 5).cuda()
