@@ -275,8 +275,8 @@ def _run(args, argv: list[str]) -> int:
                         f"{row['restores']} restores")
             if row.get("compile_seconds", 0) > 0.05:
                 msg += (f", torch.compile compiled for {row['compile_seconds']:.1f} s "
-                        f"({row['compile_seconds_recording']:.1f} s while recording graphs, "
-                        f"left out)")
+                        f"({row['compile_seconds_recording']:.1f} s while recording graphs; "
+                        f"all left out)")
             print(msg, file=sys.stderr, flush=True)
             finish_rows(result["rows"], peak, args.temperature == 0)
             # After every row: a run cut short by a time limit keeps what it measured.

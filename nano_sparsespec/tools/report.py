@@ -70,8 +70,8 @@ def rows_markdown(result: dict) -> str:
                 f"while recording graphs)"
                 for r in result["rows"] if r.get("compile_seconds", 0) > 0.05]
     if compiled:
-        lines += ["", "torch.compile compiled during timed runs (in tok/s but for what fell "
-                      "inside graph recording): " + ", ".join(compiled) + "."]
+        lines += ["", "torch.compile compiled during timed runs (left out of tok/s, in start-up, "
+                      "as graph recording is): " + ", ".join(compiled) + "."]
     for r in result["rows"]:
         frames = sorted(r.get("compiled_frames", {}).items(), key=lambda kv: -kv[1][1])
         if frames:
