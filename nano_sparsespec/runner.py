@@ -61,9 +61,8 @@ class ModelRunner:
         self.queue_seconds = 0.0   # host time queuing steps (replays, eager kernels, recording)
         # Graphs read the buffers below at fixed addresses: growing one drops them (`_widen`).
         max_blocks = -(-cfg.max_position_embeddings // cache.block_size) + 1
-        # each row's block table on the device (the scratch row: the scratch block)
-        self.block_tables = torch.zeros(rows + 1, max_blocks, **long)         # [rows + 1, cap]
-        self.block_tables[self.scratch_row] = cache.scratch_block
+        # each row's block table on the device, the scratch block past it (the scratch row: all)
+        self.block_tables = torch.full((rows + 1, max_blocks), cache.scratch_block, **long)
         # pillar-lookup: each row's committed tokens mirrored on the device, for drafts' lookups
         lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
         self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)     # [rows + 1, cap]
@@ -188,7 +187,7 @@ class ModelRunner:
         """Widen the tables to `width` columns and write `changes` [C, 3] (row, column, block)."""
         tables = self._widen(self.block_tables, width)
         if tables is not self.block_tables:
-            tables[self.scratch_row] = self.cache.scratch_block                # new columns too
+            tables[:, self.block_tables.shape[1]:] = self.cache.scratch_block  # past every table
             self.block_tables = tables
         if changes is not None:
             row, column, block = changes.unbind(1)

@@ -306,14 +306,17 @@ class StepLists:
 
     def table_changes(self, seqs: list[Sequence]) -> list[list[int]]:
         """(row, column, block) entries of the device tables that differ from the host tables of
-        `seqs` (only ends change); columns past a table keep stale, valid, masked block ids.
+        `seqs` (only ends change). Columns past a table hold the scratch block: a step gathers
+        keys over its widest table, and past a request's context it then reads one block the
+        cache keeps rather than blocks of the row's earlier requests (masked either way).
         Only the tables the pool marks changed are compared (a request's first table too)."""
-        changes, pool = [], self.cache.pool
+        changes, pool, scratch = [], self.cache.pool, self.cache.scratch_block
         for seq in [s for s in seqs if s.seq_id in pool.changed]:
             pool.changed.discard(seq.seq_id)
             table = pool.tables[seq.seq_id]
             owner, sent = self.tables_sent[seq.row]
             same = common_prefix(sent, table) if owner == seq.seq_id else 0
             changes += [[seq.row, j, table[j]] for j in range(same, len(table))]
+            changes += [[seq.row, j, scratch] for j in range(len(table), len(sent))]
             self.tables_sent[seq.row] = (seq.seq_id, list(table))
         return changes

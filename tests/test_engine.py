@@ -481,7 +481,7 @@ def test_speculative_sampling_matches_plain_sampling(tiny_qwen3, method, async_v
 def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
     """ModelRunner mirrors block tables on the device and sends only what changed: after growth, rollbacks that free
     blocks, an offload + restore into other blocks and a row taken over by another request, the device rows read back
-    equal the host tables."""
+    equal the host tables, and hold the scratch block past them (no stale block of the row's earlier tables)."""
     from nano_sparsespec.kv_cache import KVCache
     from nano_sparsespec.model import load_model
     from nano_sparsespec.runner import ModelRunner
@@ -504,6 +504,7 @@ def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
         for s, row in zip(live, tables.tolist()):
             table = cache.pool.tables[s.seq_id]
             assert row[:len(table)] == table, s.seq_id
+            assert row[len(table):] == [cache.scratch_block] * (len(row) - len(table)), s.seq_id
 
     for n in (5, 9, 2):
         for s in seqs:
@@ -519,8 +520,8 @@ def test_device_block_tables_follow_the_host_tables(tiny_qwen3):
     check()
     cache.free(seqs[1].seq_id)
     seqs[1] = Sequence(7, [4, 5], SamplingParams(), 7)
-    seqs[1].row = 1                                   # a new request in the freed row
-    cache.append(7, 11)
+    seqs[1].row = 1                                   # a new request in the freed row, with a shorter table
+    cache.append(7, 3)
     check()
 
 
