@@ -93,9 +93,8 @@ def row_blocks_per_tile(last_position, tiles: int, row_blocks: int, heads: int) 
     tile of SCORE_TILE positions that starts at or before its request's last row's position
     last_position [B], none past it: a verification's rows see nothing there, and the kernel
     skips a tile that lists nothing, so the pass costs a request's context, not the longest.
-    One list per KV head rather than one broadcast over them: the compiled kernel steps from a
-    request's lists to the next by the heads' dim's stride, which the compiler may set freely for
-    a dim of size 1 (request b then reads another request's counts)."""
+    One list per KV head, written out: compiled (torch 2.11), lists of one head broadcast over the
+    heads were read at other requests' offsets, and some requests' later tiles scored 0."""
     first = torch.arange(tiles, device=last_position.device) * SCORE_TILE             # [tiles]
     within = first[None, :] <= last_position[:, None]                                  # [B, tiles]
     counts = (within * row_blocks).to(torch.int32)[:, None]                          # [B, 1, tiles]
