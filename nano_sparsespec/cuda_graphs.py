@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from .batch_invariant import ROW_TILE
 from .device import Packed
 
 
@@ -53,6 +54,18 @@ def compile_seconds() -> float:
 def round_up(n: int, step: int) -> int:
     """n rounded up to a multiple of `step`."""
     return -(-n // step) * step
+
+
+# A bucket's token rows are a multiple of every device's matmul row tile, so that
+# `batch_invariant.matmul` pads nothing: its pad is a fill and a copy before each of a layer's four
+# matmuls, 8 of the 25 kernels of a layer in a plain decode step's graph otherwise.
+TOKEN_TILE = max(ROW_TILE.values())
+
+
+def bucket_tokens(dense_rows: int, sparse_batch: int) -> int:
+    """A bucket's token rows: its dense requests' query rows, its drafts and the padding row (the
+    last: what padded queries read), rounded up to `TOKEN_TILE` with more padding rows."""
+    return round_up(dense_rows + sparse_batch + 1, TOKEN_TILE)
 
 
 # Drafts that copy their draft-buffer rows out (few left) attend over N columns in two batched
@@ -240,8 +253,8 @@ class StepGraphs:
         """Bucket `own` (of step `shape`) with the step's requests of each kind times `growth`."""
         sizes = {name: max(batch_bucket(math.ceil(getattr(shape, name) * growth)),
                            getattr(own, name)) for name in BATCH_FIELDS[1:]}
-        return replace(own, tokens=sizes["dense_batch"] * own.dense_queries
-                       + sizes["sparse_batch"] + 1, **sizes)
+        return replace(own, tokens=bucket_tokens(sizes["dense_batch"] * own.dense_queries,
+                                                 sizes["sparse_batch"]), **sizes)
 
     def rounded(self, shape):
         """The runner's `StepShape` of a step rounded up to its own bucket.
@@ -286,7 +299,8 @@ class StepGraphs:
             window = round_up(max(s.window, k), 8)
             columns = round_up(selection + self.lookups + window, 8)
             window = fast_draft_width(columns) - selection - self.lookups
-        return replace(s, tokens=dense_batch * queries + sparse_batch + 1, dense_batch=dense_batch,
+        return replace(s, tokens=bucket_tokens(dense_batch * queries, sparse_batch),
+                       dense_batch=dense_batch,
                        dense_queries=queries, dense_blocks=blocks, dense_runs=runs,
                        sparse_batch=sparse_batch,
                        sparse_rows=self.rows if s.sparse_rows else 0,

@@ -17,7 +17,9 @@ import torch
 from conftest import generate
 from nano_sparsespec import LLM, SamplingParams, attention, kernels, verifier
 from nano_sparsespec.config import SpecConfig
-from nano_sparsespec.cuda_graphs import DRAFT_WIDTH_PADDING, StepGraphs, batch_bucket, fast_draft_width, round_up
+from nano_sparsespec.batch_invariant import ROW_TILE
+from nano_sparsespec.cuda_graphs import (DRAFT_WIDTH_PADDING, TOKEN_TILE, StepGraphs, batch_bucket, fast_draft_width,
+                                        round_up)
 from nano_sparsespec.runner import ModelRunner
 from nano_sparsespec.step_lists import StepLists
 
@@ -71,6 +73,29 @@ def test_steps_of_a_context_share_a_bucket():
     assert graphs.bucket(too_few) == graphs.rounded(too_few) != bucket
 
 
+def test_a_bucket_s_token_rows_are_whole_matmul_tiles(monkeypatch):
+    """A bucket's token rows (its requests' rows and the padding row, the last) are a whole number of every device's
+    matmul row tile, so that the layers' matmuls pad nothing: a pad is a fill and a copy before each of them, two more
+    kernels each in the step's graph."""
+    from nano_sparsespec import batch_invariant
+    from nano_sparsespec.step_lists import StepShape
+    graphs = StepGraphs(None, block_size=16, state=[], rows=1024, stride=8, budget=lambda n: max(128, -(-n // 20)))
+    pads = []
+    monkeypatch.setattr(batch_invariant.F, "pad", lambda x, *args, **kwargs: pads.append(x.shape) or x)
+    for dense, queries, sparse in ((512, 1, 0), (1000, 1, 0), (57, 9, 455), (114, 9, 910), (3, 64, 0), (0, 1, 7)):
+        real = dense * queries + sparse
+        bucket = graphs.rounded(StepShape(
+            tokens=real + 1, dense_batch=dense, dense_queries=queries, dense_blocks=64, scores=False,
+            sparse_batch=sparse, sparse_rows=1024 if sparse else 0, selection_width=128 if sparse else 0,
+            window=8 if sparse else 0, lookup_context=0, drafts=sparse, checks=dense, check_drafts=8 if sparse else 0,
+            draft_flags=(), check_flags=()))
+        dense_rows, sparse_rows = bucket.dense_batch * bucket.dense_queries, bucket.sparse_batch
+        assert dense_rows + sparse_rows + 1 <= bucket.tokens < dense_rows + sparse_rows + 1 + TOKEN_TILE
+        assert all(bucket.tokens % tile == 0 for tile in ROW_TILE.values())
+        batch_invariant.matmul(torch.ones(bucket.tokens, 4), torch.ones(4, 3))
+    assert pads == []
+
+
 def test_a_growing_batch_is_padded_to_the_batch_ahead():
     """While requests are still coming in (`growth` > 1.25), a step is padded up to the batch it grows into, or
     replays a recorded bucket between its own and that one: a batch that grows from 30 to 512 in steps of 20 records
@@ -85,7 +110,7 @@ def test_a_growing_batch_is_padded_to_the_batch_ahead():
                          checks=batch, check_drafts=0, draft_flags=(), check_flags=())
     for batch in range(30, 513, 20):
         bucket = graphs.bucket(decode(batch), growth=512 / batch)
-        assert bucket.dense_batch >= batch and bucket.checks >= batch and bucket.tokens == bucket.dense_batch + 1
+        assert bucket.dense_batch >= batch and bucket.checks >= batch and bucket.tokens == round_up(bucket.dense_batch + 1, TOKEN_TILE)
         graphs.steps.setdefault(bucket, None)                                       # "recorded"
     assert {b.dense_batch for b in graphs.steps} == {512}
     assert len({graphs.rounded(decode(batch)).dense_batch for batch in range(30, 513, 20)}) == 13
