@@ -79,18 +79,18 @@ def set_smallest_kernel_batch(dense_batch: int) -> None:
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
-    K/V write, score pass, draft branch, pillar-lookup's draft columns and the selection's keys
-    (dynamic shapes; float tolerance) and the draft buffers' fill (`compile_fill`); with `paged`
-    the selection's re-ranking and the paged dense path: its attention for static shapes
-    (flex_attention's decoding kernel wants them: one compilation per batch class, query rows and
-    chunks), the swapped score pass and its inputs for a dynamic batch and context (padded steps
-    have at least two requests: torch specialises sizes 0 and 1), and the drafts' attention in
-    place (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets its decode
-    row's bits."""
+    score pass, draft branch, pillar-lookup's draft columns and the selection's keys (dynamic
+    shapes; float tolerance), the K/V write and the draft buffers' fill (`compile_store`,
+    `compile_fill`); with `paged` the selection's re-ranking and the paged dense path: its attention
+    for static shapes (flex_attention's decoding kernel wants them: one compilation per batch class,
+    query rows and chunks), the swapped score pass and its inputs for a dynamic batch and context
+    (padded steps have at least two requests: torch specialises sizes 0 and 1), and the drafts'
+    attention in place (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets
+    its decode row's bits."""
     global exact_rows
     exact_rows = paged and exact
     kernels = attention._kernels
-    kernels["store"] = torch.compile(attention.store_kv, dynamic=True)
+    kernels["store"] = compile_store()
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     kernels["sparse"] = verifier.compiled_apart(attention.sparse_drafts)
     kernels["lookup"] = verifier.compiled_apart(attention.lookup_draft_columns)
@@ -135,6 +135,23 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: i
             torch._dynamo.maybe_mark_dynamic(args[small_batch_arg], 0)
         return compiled(*args)
     return run
+
+
+def compile_store():
+    """`attention.store_kv`, compiled as `compile_fill` is: the pool's, heads' and buffers' sizes
+    constants, the rows moved as integer words (`as_words`); the step's token rows and window
+    writes dynamic. Two compilations: with and without the window writes."""
+    pool_only = _static_but(attention.store_kv, {2: (0,), 3: (0,), 4: (0,)})
+    with_window = verifier.sizes_apart(
+        _static_but(attention.store_kv, {i: (0,) for i in (2, 3, 4, 7, 8, 9)}))
+
+    def store(k_layer, v_layer, slots, k, v, *window) -> None:
+        pool = (*(as_words(x) for x in (k_layer, v_layer)), slots, as_words(k), as_words(v))
+        if not window:
+            return pool_only(*pool)
+        draft_k, draft_v, tokens, rows, columns = window
+        with_window(*pool, as_words(draft_k), as_words(draft_v), tokens, rows, columns)
+    return store
 
 
 def compile_fill():

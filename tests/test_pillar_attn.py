@@ -892,10 +892,13 @@ def test_compiled_kernels_match_eager():
                     ("lookup", attention.lookup_draft_columns), ("fill", attention.fill_draft_buffers)])
         scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
         sparse_out = sparse_branch(attention._kernels["sparse"])
-        attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
-        compiled_stored = stored(attention._kernels["store"], True)
         lookup = attention._kernels["lookup"](*lookup_args)
         with CompiledFrames() as compiled:
+            attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
+            compiled_stored = stored(attention._kernels["store"], True)
+            # fewer token rows and window writes: the same two compilations
+            attention._kernels["store"](*torch.zeros(2, 16, N_KV, D), slots[:4], k_new[:4], v_new[:4],
+                                        *torch.zeros(2, 5, N_KV, 8, D), *(x[1:] for x in window))
             compiled_filled = filled(attention._kernels["fill"])
     finally:
         kernels.use_eager_kernels()
@@ -904,6 +907,7 @@ def test_compiled_kernels_match_eager():
     # per (layer, KV head): 5 + 1 columns of row 3, 5 + 1 of row 1, 3 + 2 of row 2, 2 of rows 0 and 4, nothing else
     assert eager_filled[0].abs().sum(-1).gt(0).sum() == 2 * N_KV * 21
     assert compiled.frames["fill_draft_buffers"][0] == 2         # positions per layer and head, or shared
+    assert compiled.frames["store_kv"][0] == 2                   # with and without window writes
     assert torch.allclose(scores, eager_scores, atol=1e-4)
     assert torch.allclose(sparse_out[0], eager_sparse[0], atol=1e-4)
     assert torch.equal(sparse_out[1], eager_sparse[1]) and torch.equal(sparse_out[2], eager_sparse[2])
