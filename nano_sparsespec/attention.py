@@ -78,6 +78,8 @@ class SparseBatch:
     valid: torch.Tensor          # [L, R + 1, n_kv, N] bool: the columns each row attends to
                                  #   (rows no draft reads: column 0 alone, a finite softmax);
                                  #   gathered: [L, Bs, n_kv, N], each draft's
+    block_lists: tuple | None = None   # the fast path's kernel: its block lists, the same in
+                                       #   every layer (flex_drafts.py, built by kernels.py)
 
 
 def gathered(drafts: int, rows_read: int) -> bool:
@@ -131,7 +133,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if ctx.sparse is not None:
         s = ctx.sparse
         _kernels["sparse"](out, q, k, v, ctx.draft_k[layer], ctx.draft_v[layer], s.q_index,
-                           s.read_row, s.write_row, s.write_column, s.valid[layer])
+                           s.read_row, s.write_row, s.write_column, s.valid[layer],
+                           *(s.block_lists or ()))
     return out
 
 

@@ -6,7 +6,8 @@ between them, which write each row's logits and probabilities out and read them 
 kernel reads each row's columns once and keeps the softmax in registers.
 
 Owns `flex_drafts` (`attention.sparse_drafts`'s contract, for drafts that read their rows in
-place), `draft_block_mask` and `drafts_by_reading` (the drafts' kernel of the fast path).
+place), `draft_block_lists` (once a step), `draft_block_mask` (per layer) and `drafts_by_reading`
+(the drafts' kernel of the fast path).
 kernels.py compiles `flex_drafts` for a static count of buffer rows (the decoding kernel wants a
 static batch); uncompiled, flex_attention is torch's reference implementation (the CPU tests).
 """
@@ -26,14 +27,15 @@ DRAFT_KERNEL_OPTIONS = {"SPLIT_KV": 1, "num_stages": 2, "num_warps": 2}
 
 
 def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_column,
-                valid) -> None:
+                valid, counts, ids) -> None:
     """One layer's draft tokens: their K/V join their rows of the draft buffers, then each attends
     to its row in place.
 
     out: [T, n_heads, D] (the drafts' rows are written); q: [T, n_heads, D]; k, v: [T, n_kv, D];
     keys, values: [rows, n_kv, C, D] the layer's draft buffers (C a multiple of DRAFT_BLOCK);
     q_index, read_row, write_row, write_column: [Bs] (`attention.SparseBatch`); valid:
-    [R, n_kv, N] the columns each of the first R <= rows rows attends to."""
+    [R, n_kv, N] the columns each of the first R <= rows rows attends to; counts, ids: the step's
+    `draft_block_lists`, the same in every layer."""
     from torch.nn.attention.flex_attention import flex_attention
 
     write_draft_kv(k, v, keys, values, q_index, write_row, write_column)
@@ -42,31 +44,39 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
     queries = queries_by_row(q, q_index, read_row, R)                          # [R, n_heads, D]
     # a KV head's G query heads as G query rows of one head: [R, n_kv, G, D]
     packed = queries.view(R, n_kv, H // n_kv, D)
-    block_mask = draft_block_mask(valid, read_row, H // n_kv, keys.shape[2])
+    block_mask = draft_block_mask(valid, counts, ids, H // n_kv, keys.shape[2])
     attended = flex_attention(packed, keys[:R], values[:R], block_mask=block_mask,
                               kernel_options=DRAFT_KERNEL_OPTIONS)             # [R, n_kv, G, D]
     out[q_index] = attended.reshape(R, H, D)[read_row]
 
 
-def draft_block_mask(valid, read_row, q_rows: int, columns: int):
+def draft_block_lists(read_row, rows: int, N: int, columns: int):
+    """The blocks each buffer row's drafts visit, the same in every layer of a step (so built once
+    a step, `kernels.paged_prepare`): read_row [Bs] the rows drafts read, of `rows`; N the columns
+    they attend to; columns the buffers' width C (a multiple of DRAFT_BLOCK, at least N)
+    -> counts [rows, 1, 1] int32 (a read row's N columns in whole blocks, 0 for the others, which
+    read nothing) and ids [rows, 1, 1, C / DRAFT_BLOCK] int32, the blocks in order (BlockMask's
+    contract: one column per block of the key sequence)."""
+    counts = torch.zeros(rows, dtype=torch.int32, device=read_row.device)
+    counts = counts.index_fill_(0, read_row, -(-N // DRAFT_BLOCK)).view(rows, 1, 1)
+    ids = torch.arange(columns // DRAFT_BLOCK, dtype=torch.int32, device=read_row.device)
+    return counts, ids.repeat(rows, 1, 1, 1)
+
+
+def draft_block_mask(valid, counts, ids, q_rows: int, columns: int):
     """The BlockMask under which row b's packed queries see the columns valid[b, h] marks:
-    valid [R, n_kv, N] bool; read_row [Bs] the rows drafts read (the others list no block and
-    read nothing); q_rows: query rows per KV head (G); columns: the buffers' width C (a
-    multiple of DRAFT_BLOCK, at least N)."""
+    valid [R, n_kv, N] bool; counts, ids: `draft_block_lists` of R rows; q_rows: query rows per
+    KV head (G); columns: the buffers' width C."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    R, n_kv, N = valid.shape
-    counts = torch.zeros(R, 1, 1, dtype=torch.int32, device=valid.device)
-    counts[read_row] = -(-N // DRAFT_BLOCK)
-    # BlockMask's contract: one column per block of the key sequence
-    ids = torch.arange(columns // DRAFT_BLOCK, dtype=torch.int32, device=valid.device)
+    N = valid.shape[2]
 
     def visible(b, h, q_idx, kv_idx):   # (compiled, the mask reads a tensor from outside)
         return (kv_idx < N) & valid[b, h, torch.clamp(kv_idx, max=N - 1)]
 
-    return BlockMask.from_kv_blocks(counts, ids.repeat(R, 1, 1, 1),
-                                    BLOCK_SIZE=(128, DRAFT_BLOCK), mask_mod=visible,
-                                    seq_lengths=(q_rows, columns), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(counts, ids, BLOCK_SIZE=(128, DRAFT_BLOCK), mask_mod=visible,
+                                    seq_lengths=(q_rows, columns),
+                                    compute_q_blocks=False)
 
 
 def drafts_by_reading(gathered, in_place):

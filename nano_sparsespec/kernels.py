@@ -10,12 +10,12 @@ Owns
     fill (one copy kernel), the selection's keys (one pass over the scores, not five) and, with
     `paged` (a GPU with CUDA graphs), its re-ranking; there dense decoding and verification read
     the pool in place:
-  * `paged_prepare` (once per forward: the BlockMask over the pool), `paged_block_mask`,
-    `paged_dense` and `paged_attention` (flex_attention's decoding kernel, contexts cut into
-    chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows every step cuts
-    and visits a context alike, so a verification row gets its decode row's bits); scores from
-    swapped_scores.py's pass, drafts reading their draft-buffer rows in place through
-    flex_drafts.py. `paged_dense` runs three pieces, each compiled as a whole graph (a graph
+  * `paged_prepare` (once per forward: the BlockMask over the pool, the drafts' block lists),
+    `paged_block_mask`, `paged_dense` and `paged_attention` (flex_attention's decoding kernel,
+    contexts cut into chunks that `merge_chunks` merges by their log-sum-exps; with `exact` rows
+    every step cuts and visits a context alike, so a verification row gets its decode row's
+    bits); scores from swapped_scores.py's pass, drafts reading their draft-buffer rows in place
+    through flex_drafts.py. `paged_dense` runs three pieces, each compiled as a whole graph (a graph
     break's resume function recompiles).
 Uncompiled, flex_attention is torch's reference implementation over the whole pool: the CPU
 tests run it on tiny pools (`use_paged_reference`).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import attention, model, pillar_attn, verifier
 from .attention import AttentionContext, as_words, pack_groups, unpack_groups
-from .flex_drafts import drafts_by_reading, flex_drafts
+from .flex_drafts import draft_block_lists, drafts_by_reading, flex_drafts
 from .pillar_attn import pillar_scores
 from .swapped_scores import score_inputs, score_pass
 
@@ -201,9 +201,14 @@ def use_paged_reference() -> None:
 
 
 def paged_prepare(ctx: AttentionContext, group: int) -> None:
-    """Before the layers: the block mask of the paged kernel, for dense batches that attend as one
-    run and whose G x Qmax packed rows (`group` query heads per KV head) fit flex_attention's
-    decoding kernel (plain decoding, verification); prefill chunks keep gather + SDPA."""
+    """Before the layers: the block lists of the drafts that read their rows in place, and the
+    block mask of the paged kernel, for dense batches that attend as one run and whose G x Qmax
+    packed rows (`group` query heads per KV head) fit flex_attention's decoding kernel (plain
+    decoding, verification); prefill chunks keep gather + SDPA."""
+    s = ctx.sparse
+    if s is not None and s.read_row is not None:
+        s.block_lists = draft_block_lists(s.read_row, s.valid.shape[1], s.valid.shape[-1],
+                                          ctx.draft_k.shape[3])
     d = ctx.dense
     if d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:
         return

@@ -20,6 +20,7 @@ from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.batch_invariant import ROW_TILE
 from nano_sparsespec.cuda_graphs import (DRAFT_WIDTH_PADDING, TOKEN_TILE, StepGraphs, batch_bucket, fast_draft_width,
                                         round_up)
+from nano_sparsespec.flex_drafts import drafts_by_reading, flex_drafts
 from nano_sparsespec.runner import ModelRunner
 from nano_sparsespec.step_lists import StepLists
 
@@ -273,6 +274,7 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
     scoring = []
     monkeypatch.setitem(attention._kernels, "paged", counted)
     monkeypatch.setitem(attention._kernels, "prepare", kernels.paged_prepare)
+    monkeypatch.setitem(attention._kernels, "sparse", drafts_by_reading(attention.sparse_drafts, flex_drafts))
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)     # (torch's reference flex_attention is slow)
     _, plain = generate(tiny_qwen3[0], prompts, params, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
     _, outs = generate(tiny_qwen3[0], prompts, params, cuda_graphs=True, method="pillar", stride=4, min_budget=8,

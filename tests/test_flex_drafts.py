@@ -3,7 +3,8 @@ attention.sparse_drafts, and the block lists its compiled kernel reads (uncompil
 import torch
 
 from nano_sparsespec import attention, kernels
-from nano_sparsespec.flex_drafts import DRAFT_BLOCK, draft_block_mask, drafts_by_reading, flex_drafts
+from nano_sparsespec.flex_drafts import (DRAFT_BLOCK, draft_block_lists, draft_block_mask, drafts_by_reading,
+                                         flex_drafts)
 
 H, N_KV, D = 6, 2, 8          # 3 query heads per KV head
 
@@ -22,11 +23,17 @@ def draft_inputs(columns: int, seed: int = 0):
     return q, k, v, buffers, lists, valid
 
 
-def run_drafts(kernel, q, k, v, buffers, lists, valid):
+def run_drafts(kernel, q, k, v, buffers, lists, valid, *block_lists):
     """-> the step's output rows and the buffers after one call of `kernel` on copies of the inputs"""
     out, keys, values = torch.zeros(5, H, D), *buffers.clone()
-    kernel(out, q, k, v, keys, values, *lists, valid)
+    kernel(out, q, k, v, keys, values, *lists, valid, *block_lists)
     return out, keys, values
+
+
+def block_lists_of(inputs):
+    """-> the step's `draft_block_lists` for `draft_inputs`"""
+    _, _, _, buffers, (_, read_row, _, _), valid = inputs
+    return draft_block_lists(read_row, valid.shape[0], valid.shape[-1], buffers.shape[3])
 
 
 def test_flex_drafts_attend_as_the_reference():
@@ -34,7 +41,7 @@ def test_flex_drafts_attend_as_the_reference():
     width that is not a whole number of blocks; only the drafts' output rows are written."""
     inputs = draft_inputs(DRAFT_BLOCK + 5)
     reference = run_drafts(attention.sparse_drafts, *inputs)
-    out, keys, values = run_drafts(flex_drafts, *inputs)
+    out, keys, values = run_drafts(flex_drafts, *inputs, *block_lists_of(inputs))
     assert torch.allclose(out, reference[0], atol=1e-5)
     assert torch.equal(keys, reference[1]) and torch.equal(values, reference[2])
     assert out[[1, 3, 0, 4]].abs().sum(-1).gt(0).all() and not out[2].any()
@@ -46,8 +53,9 @@ def test_flex_drafts_attend_as_the_reference():
 def test_the_block_lists_cover_each_read_row_and_nothing_else():
     """The compiled kernel visits a row's listed blocks only: every row a draft reads lists the blocks that hold its N
     columns, in order, and the rows no draft reads list none; the mask reads `valid`, and nothing past column N."""
-    q, k, v, buffers, (q_index, read_row, _, _), valid = draft_inputs(DRAFT_BLOCK + 5)
-    mask = draft_block_mask(valid, read_row, 3, buffers.shape[3])
+    inputs = draft_inputs(DRAFT_BLOCK + 5)
+    q, k, v, buffers, (q_index, read_row, _, _), valid = inputs
+    mask = draft_block_mask(valid, *block_lists_of(inputs), 3, buffers.shape[3])
     counts = mask.kv_num_blocks.flatten()
     assert counts[read_row].eq(2).all() and counts[[1, 4, 6]].eq(0).all()
     assert torch.equal(mask.kv_indices[:, 0, 0, :2], torch.tensor([[0, 1]] * 7, dtype=torch.int32))
@@ -67,7 +75,7 @@ def test_the_paged_fast_path_sends_drafts_read_in_place_to_flex():
     kernels.use_paged_reference()
     try:
         inputs = draft_inputs(DRAFT_BLOCK)
-        assert torch.allclose(run_drafts(attention._kernels["sparse"], *inputs)[0],
+        assert torch.allclose(run_drafts(attention._kernels["sparse"], *inputs, *block_lists_of(inputs))[0],
                               run_drafts(attention.sparse_drafts, *inputs)[0], atol=1e-5)
     finally:
         kernels.use_eager_kernels()
