@@ -11,12 +11,12 @@ their rows in place) at a busy balanced step: 910 drafts in 1,025 draft-buffer r
 `flex`, flex_drafts.py's decoding kernel. Prints each width's times, the largest difference between
 the forms' outputs, and whether `cuda_graphs.fast_draft_width` keeps N.
 
-`paged`: the paged kernel (`kernels.paged_attend`: flex_attention's decoding kernel over the pool,
+`paged`: the paged kernel (`paged.paged_attend`: flex_attention's decoding kernel over the pool,
 then the merge of the chunks) against the number of chunks each context is cut into, for a plain
 step (1,024 requests, one row each) and a balanced step's verifications (114 requests of 9 rows,
 with log-sum-exps), every context 4,000 positions or each drawn from [256, 4,000), blocks of 64
 scattered over the pool. Prints each count's time and how far its output is from one chunk's
-(`kernels.PAGED_CTAS`; BENCHMARKS.md, "Where a busy step's time goes").
+(`paged.PAGED_CTAS`; BENCHMARKS.md, "Where a busy step's time goes").
 
     python benchmarks/attention_shapes.py drafts [--widths 128:480:8]
     python benchmarks/attention_shapes.py paged [--chunks 1,2,4,8]
@@ -27,6 +27,7 @@ import json
 import torch
 
 from nano_sparsespec import attention, kernels, verifier
+from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.cuda_graphs import fast_draft_width
 
 ROWS, DRAFTS, KV_HEADS, GROUP, HEAD_DIM, LAYERS = 1025, 910, 3, 3, 64, 30
@@ -128,13 +129,13 @@ def paged_chunks(args) -> dict:
             out = torch.zeros_like(q)
             row, one_chunk = {"requests": batch, "rows": Q, "spread": spread}, None
             for splits in counts:
-                block_mask = kernels.paged_block_mask(table, mask, q_start, q_valid, block,
-                                                      k_layer.shape[0], GROUP,
-                                                      -(-blocks // splits), splits)
+                block_mask = paged_kernel.paged_block_mask(table, mask, q_start, q_valid, block,
+                                                           k_layer.shape[0], GROUP,
+                                                           -(-blocks // splits), splits)
 
                 def call(block_mask=block_mask):
-                    kernels._paged["attend"](out, q, q_index, k_layer, v_layer, block_mask,
-                                             with_lse)
+                    paged_kernel._paged["attend"](out, q, q_index, k_layer, v_layer, block_mask,
+                                                  with_lse)
                 row[f"{splits}_chunks_us_per_layer"] = round(time_layers(call), 1)
                 if one_chunk is None:
                     one_chunk = out.float().clone()

@@ -30,7 +30,8 @@ from collections import Counter
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nano_sparsespec import LLM, SamplingParams, async_loop, cuda_graphs, kernels
+from nano_sparsespec import LLM, SamplingParams, async_loop, cuda_graphs
+from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.runner import ModelRunner
 
 
@@ -139,7 +140,7 @@ def main() -> None:
     cuda_graphs.StepGraphs.run = replay_nothing
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
               runner_class=BucketCounter, async_verify=policy == "balanced", refresh_every=refresh_every)
-    kernels.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
+    paged_kernel.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
     slot_steps, host = Counter(), []       # host: (seconds since the step before, launching)
@@ -181,13 +182,13 @@ def main() -> None:
 
 
 def paged_kernel_shapes(buckets) -> set:
-    """The shapes torch.compile specialises the paged kernel on (`kernels.paged_prepare`):
-    the batch class `kernels.kernel_batch`, query rows, chunks of the context (blocks per chunk
+    """The shapes torch.compile specialises the paged kernel on (`paged.paged_prepare`):
+    the batch class `paged.kernel_batch`, query rows, chunks of the context (blocks per chunk
     and count), scored or not."""
     capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
-    return {(kernels.kernel_batch(b.dense_batch), b.dense_queries,
-             kernels.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE,
-                                  kernels.kernel_batch(b.dense_batch) * KV_HEADS), b.scores)
+    return {(paged_kernel.kernel_batch(b.dense_batch), b.dense_queries,
+             paged_kernel.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE,
+                                       paged_kernel.kernel_batch(b.dense_batch) * KV_HEADS), b.scores)
             for b in buckets if b.dense_batch and not b.dense_runs}
 
 

@@ -36,12 +36,13 @@ report("mean of squares over 576, rows 1..9216 against 16",
        {m: torch.equal(x[:m].float().pow(2).mean(-1)[:16], ref[:m]) for m in (1, 9, 16, 32, 272, 1024, 4608, 9216)})
 
 from nano_sparsespec import kernels, model  # noqa: E402  (after the library probes: they need none of it)
+from nano_sparsespec import paged as paged_kernel  # noqa: E402
 
 if device == "cuda":
     kernels.compile_kernels(paged=True, exact=True)
     model.compile_elementwise()
 block, n_kv, G, D = 64, 3, 3, 64                          # the embedded model's heads
-chunk, splits = kernels.exact_chunks(8192 // block + 1, block)  # its block tables: 8,192 positions + 1 block
+chunk, splits = paged_kernel.exact_chunks(8192 // block + 1, block)  # its block tables: 8,192 positions + 1 block
 positions = torch.tensor([100, 127, 128, 300, 511, 512, 700, 1000, 2047, 2100, 4000, 4095], device=device)
 B, pool_blocks = positions.numel(), positions.numel() * 72 + 1
 row = torch.arange(B, device=device) % 9                  # the decode row is this row of its request's verification
@@ -55,11 +56,12 @@ def paged_rows(Q: int, q_start, blocks: int, queries, with_lse: bool, requests: 
     q_valid = torch.ones(requests, Q, dtype=torch.bool, device=device)
     seen = torch.arange(blocks * block, device=device)[None, None]
     mask = seen <= (q_start[:requests, None] + torch.arange(Q, device=device))[:, :, None]
-    block_mask = kernels.paged_block_mask(table[:requests, :blocks].contiguous(), mask, q_start[:requests], q_valid,
-                                          block, pool_blocks * block, G, chunk, splits, full_blocks=False)
+    block_mask = paged_kernel.paged_block_mask(table[:requests, :blocks].contiguous(), mask, q_start[:requests],
+                                               q_valid, block, pool_blocks * block, G, chunk, splits,
+                                               full_blocks=False)
     out = torch.zeros_like(queries[:requests * Q])
     q_index = torch.arange(requests * Q, device=device).view(requests, Q)
-    kernels._paged["attend"](out, queries, q_index, k_pool, v_pool, block_mask, with_lse)
+    paged_kernel._paged["attend"](out, queries, q_index, k_pool, v_pool, block_mask, with_lse)
     return out.view(requests, Q, n_kv * G, D)
 
 

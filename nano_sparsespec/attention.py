@@ -46,7 +46,7 @@ class DenseBatch:
     scores: torch.Tensor | None = None        # [L / n, Bd, n_kv, Lmax] filled when score_weight
     score_every: int = 1                      #   is set: layers 0, n, 2n, ... score (SpecConfig)
     block_mask: object | None = None          # the paged kernel's BlockMask (fast path,
-                                              #   kernels.py): then `runs` is one run
+                                              #   paged.py): then `runs` is one run
 
     def layer_scores(self, layer: int) -> torch.Tensor | None:
         """Where `layer` writes its PillarAttn scores, [Bd, n_kv, Lmax]; None if it scores none."""
@@ -79,7 +79,7 @@ class SparseBatch:
                                  #   (rows no draft reads: column 0 alone, a finite softmax);
                                  #   gathered: [L, Bs, n_kv, N], each draft's
     block_lists: tuple | None = None   # the fast path's kernel: its block lists, the same in
-                                       #   every layer (flex_drafts.py, built by kernels.py)
+                                       #   every layer (flex_drafts.py, built by paged.py)
 
 
 def gathered(drafts: int, rows_read: int) -> bool:

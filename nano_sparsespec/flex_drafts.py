@@ -52,7 +52,7 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
 
 def draft_block_lists(read_row, rows: int, N: int, columns: int):
     """The blocks each buffer row's drafts visit, the same in every layer of a step (so built once
-    a step, `kernels.paged_prepare`): read_row [Bs] the rows drafts read, of `rows`; N the columns
+    a step, `paged.paged_prepare`): read_row [Bs] the rows drafts read, of `rows`; N the columns
     they attend to; columns the buffers' width C (a multiple of DRAFT_BLOCK, at least N)
     -> counts [rows, 1, 1] int32 (a read row's N columns in whole blocks, 0 for the others, which
     read nothing) and ids [rows, 1, 1, C / DRAFT_BLOCK] int32, the blocks in order (BlockMask's

@@ -5,7 +5,7 @@ Owns `column_scores` (`pillar_scores` from the rows' log-sum-exps), `score_rows`
 keys: the packed rows, and their shifts), `score_pass` (the pass; `row_blocks_per_tile`, the
 tiles of positions it visits) and `score_inputs` (its inputs
 on the paged path: the keys gathered head-major from the pool, and `score_rows`), which
-kernels.py's paged path runs, compiled, after its attention. Uncompiled, flex_attention is
+paged.py's kernel runs, compiled, after its attention. Uncompiled, flex_attention is
 torch's reference implementation (the CPU tests).
 """
 from __future__ import annotations

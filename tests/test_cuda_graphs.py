@@ -16,6 +16,7 @@ import torch
 
 from conftest import generate
 from nano_sparsespec import LLM, SamplingParams, attention, kernels, verifier
+from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.batch_invariant import ROW_TILE
 from nano_sparsespec.cuda_graphs import (DRAFT_WIDTH_PADDING, TOKEN_TILE, StepGraphs, batch_bucket, fast_draft_width,
@@ -252,7 +253,8 @@ def test_padded_step_computes_what_eager_computes(tiny_qwen3, prompts, monkeypat
     assert worst["scores"] < 1e-6, worst
 
 
-@pytest.mark.parametrize("chunk,exact", [(kernels.PAGED_CHUNK, False), (16, False), (kernels.PAGED_CHUNK, True)])
+@pytest.mark.parametrize("chunk,exact", [(paged_kernel.PAGED_CHUNK, False), (16, False),
+                                         (paged_kernel.PAGED_CHUNK, True)])
 def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exact):
     """The GPU's paged path (flex_attention reading the pool through a block mask), run here as torch's uncompiled
     reference, with padded steps: padding requests all point at the scratch block. Greedy speculation on it equals
@@ -261,8 +263,8 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
     (a few compilations cover every context length); with exact rows, every step cuts the longest context the block
     tables hold (33 blocks of 16) into the most chunks, and lists no block full. Small batches are padded to a power
     of two with requests that see nothing."""
-    monkeypatch.setattr(kernels, "PAGED_CHUNK", chunk)
-    monkeypatch.setattr(kernels, "exact_rows", exact)
+    monkeypatch.setattr(paged_kernel, "PAGED_CHUNK", chunk)
+    monkeypatch.setattr(paged_kernel, "exact_rows", exact)
     calls, splits, full_lists = [], [], []
 
     def counted(out, q, q_index, k_layer, v_layer, block_mask, *scored):
@@ -270,10 +272,10 @@ def test_paged_kernels_are_lossless(tiny_qwen3, prompts, monkeypatch, chunk, exa
         splits.append(block_mask.kv_num_blocks.shape[0] // q_index.shape[0])            # chunks per context
         full_lists.append(block_mask.full_kv_num_blocks is not None)
         scoring.append(bool(scored))
-        kernels.paged_dense(out, q, q_index, k_layer, v_layer, block_mask, *scored)
+        paged_kernel.paged_dense(out, q, q_index, k_layer, v_layer, block_mask, *scored)
     scoring = []
     monkeypatch.setitem(attention._kernels, "paged", counted)
-    monkeypatch.setitem(attention._kernels, "prepare", kernels.paged_prepare)
+    monkeypatch.setitem(attention._kernels, "prepare", paged_kernel.paged_prepare)
     monkeypatch.setitem(attention._kernels, "sparse", drafts_by_reading(attention.sparse_drafts, flex_drafts))
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)     # (torch's reference flex_attention is slow)
     _, plain = generate(tiny_qwen3[0], prompts, params, cuda_graphs=True, method="plain", max_batch=5, block_size=16)
@@ -320,30 +322,30 @@ def test_contexts_are_cut_into_as_many_chunks_as_the_longest_needs():
     to a power of two and at most what the longest possible context needs; no more than bring the batch's CTAs
     (requests x KV heads x chunks) to PAGED_CTAS, with chunks twice, four times ... as long instead. One chunk is the
     whole table at its widest."""
-    chunk = kernels.PAGED_CHUNK // 64                                       # blocks of 64 positions per chunk
+    chunk = paged_kernel.PAGED_CHUNK // 64                                       # blocks of 64 positions per chunk
     # a single head: as many as the longest context needs, up to the 17 that cover 129 blocks
-    assert [kernels.paged_chunks(blocks, 129, 64, 1) for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
+    assert [paged_kernel.paged_chunks(blocks, 129, 64, 1) for blocks in (1, 8, 9, 24, 33, 100, 129)] == \
         [(129, 1), (129, 1), (chunk, 2), (chunk, 4), (chunk, 8), (chunk, 16), (chunk, 17)]
-    ctas = kernels.PAGED_CTAS
+    ctas = paged_kernel.PAGED_CTAS
     # a batch of ctas / 4 heads: up to 4 chunks; then chunks of 2, 4, 8 x PAGED_CHUNK (the last: 3 cover 129 blocks)
-    assert [kernels.paged_chunks(blocks, 129, 64, ctas // 4) for blocks in (8, 24, 33, 100, 129)] == \
+    assert [paged_kernel.paged_chunks(blocks, 129, 64, ctas // 4) for blocks in (8, 24, 33, 100, 129)] == \
         [(129, 1), (chunk, 4), (2 * chunk, 4), (4 * chunk, 4), (8 * chunk, 3)]
-    assert {kernels.paged_chunks(blocks, 129, 64, ctas) for blocks in (1, 24, 129)} == {(129, 1)}   # enough CTAs
-    assert kernels.paged_chunks(100, 129, 64, ctas // 3) == (4 * chunk, 4)                      # 4 x 341 >= 1024
+    assert {paged_kernel.paged_chunks(blocks, 129, 64, ctas) for blocks in (1, 24, 129)} == {(129, 1)}   # enough CTAs
+    assert paged_kernel.paged_chunks(100, 129, 64, ctas // 3) == (4 * chunk, 4)                      # 4 x 341 >= 1024
 
 
 def test_small_batches_attend_in_the_class_of_the_usual_step(monkeypatch):
     """The paged kernel attends a batch of at most SMALL_BATCH requests padded to a power of two, at least the dense
     batch of the engine's usual step (a balanced step's verifications, one request in k + 1): a run's start and tail
     then compile no batch classes of their own."""
-    monkeypatch.setattr(kernels, "smallest_kernel_batch", kernels.smallest_kernel_batch)     # restored afterwards
-    kernels.set_smallest_kernel_batch(SpecConfig(method="pillar-lookup", max_batch=512).dense_batch())     # 57
-    assert [kernels.kernel_batch(n) for n in (1, 2, 33, 57, 64, 65, 128, 129, 512)] == \
+    monkeypatch.setattr(paged_kernel, "smallest_kernel_batch", paged_kernel.smallest_kernel_batch)   # restored after
+    paged_kernel.set_smallest_kernel_batch(SpecConfig(method="pillar-lookup", max_batch=512).dense_batch())     # 57
+    assert [paged_kernel.kernel_batch(n) for n in (1, 2, 33, 57, 64, 65, 128, 129, 512)] == \
         [64, 64, 64, 64, 64, 128, 128, 129, 512]
-    kernels.set_smallest_kernel_batch(SpecConfig(method="plain", max_batch=512).dense_batch())
-    assert kernels.kernel_batch(1) == kernels.SMALL_BATCH
-    kernels.set_smallest_kernel_batch(SpecConfig(method="pillar-lookup", max_batch=16).dense_batch())      # 2
-    assert [kernels.kernel_batch(n) for n in (1, 2, 3, 5)] == [2, 2, 4, 8]
+    paged_kernel.set_smallest_kernel_batch(SpecConfig(method="plain", max_batch=512).dense_batch())
+    assert paged_kernel.kernel_batch(1) == paged_kernel.SMALL_BATCH
+    paged_kernel.set_smallest_kernel_batch(SpecConfig(method="pillar-lookup", max_batch=16).dense_batch())      # 2
+    assert [paged_kernel.kernel_batch(n) for n in (1, 2, 3, 5)] == [2, 2, 4, 8]
 
 
 def test_growing_budgets_do_not_drop_recorded_graphs(tiny_qwen3, prompts, monkeypatch):

@@ -1,4 +1,4 @@
-"""attention.py, pillar_attn.py, kernels.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
+"""attention.py, pillar_attn.py, kernels.py, paged.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
 critical-token selection policies (PillarAttn top-B, StreamingLLM sink + recent)."""
 import math
 import os
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nano_sparsespec import attention, embedded, kernels, swapped_scores
+from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
 from nano_sparsespec.pillar_attn import attention_logits, pillar_scores, select_pillar, select_streaming
@@ -386,8 +387,9 @@ def test_paged_attention_in_chunks_is_dense_attention(chunk, splits):
     positions = torch.arange(nb * block)[None, None, :]
     mask = (positions <= (q_start[:, None] + torch.arange(Q))[:, :, None]) & (q_valid[:, :, None] | (positions == 0))
 
-    block_mask = kernels.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, chunk, splits)
-    out = kernels.paged_attention(q, k_pool, v_pool, block_mask)                           # [5, Q, H, D]
+    block_mask = paged_kernel.paged_block_mask(table, mask, q_start, q_valid, block, pool_blocks * block, G, chunk,
+                                               splits)
+    out = paged_kernel.paged_attention(q, k_pool, v_pool, block_mask)                           # [5, Q, H, D]
 
     def gathered(pool):                                                               # [5, nb * block, N_KV, D]
         return pool.view(pool_blocks, block, N_KV, D)[table].view(5, nb * block, N_KV, D)
@@ -408,13 +410,13 @@ def test_exact_rows_list_every_block_for_the_mask_in_table_order():
     table = torch.tensor([[5, 0, 3, 1, 4, 2]])                       # one request, 6 blocks in 3 chunks of 2
     q_start, q_valid = torch.tensor([13]), torch.ones(1, 1, dtype=torch.bool)
     mask = torch.arange(nb * block)[None, None] <= 13                  # position 13: blocks 0-3, block 3 the edge
-    exact = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits,
-                                     full_blocks=False)
-    padding = [0] * (kernels.kernel_batch(1) - 1) * splits     # the kernel's batch: padded, requests that see nothing
+    exact = paged_kernel.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits,
+                                          full_blocks=False)
+    padding = [0] * (paged_kernel.kernel_batch(1) - 1) * splits     # the kernel's batch: padded, requests seeing none
     assert exact.full_kv_num_blocks is None
     assert exact.kv_num_blocks.flatten().tolist() == [2, 2, 0] + padding
     assert exact.kv_indices[:2, 0, 0, :2].tolist() == [[5, 0], [3, 1]]
-    fast = kernels.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits)
+    fast = paged_kernel.paged_block_mask(table, mask, q_start, q_valid, block, (nb + 1) * block, G, chunk, splits)
     assert fast.full_kv_num_blocks.flatten().tolist() == [2, 1, 0] + padding
     assert fast.kv_num_blocks.flatten().tolist() == [0, 1, 0] + padding
 
@@ -433,8 +435,8 @@ def test_chunks_merge_alike_whatever_their_count(device):
     lse[3], out[3] = float("-inf"), 0                                 # a request that sees nothing
     padded_out = torch.cat([out, out.new_zeros(4, 5, N_KV, 5, D)], 1)
     padded_lse = torch.cat([lse, lse.new_full((4, 5, N_KV, 5), float("-inf"))], 1)
-    merged, merged_lse = kernels.merge_chunks(out, lse)
-    padded, padded_lse_out = kernels.merge_chunks(padded_out, padded_lse)
+    merged, merged_lse = paged_kernel.merge_chunks(out, lse)
+    padded, padded_lse_out = paged_kernel.merge_chunks(padded_out, padded_lse)
     assert torch.equal(merged, padded) and torch.equal(merged_lse, padded_lse_out)
     assert torch.equal(merged[3], torch.zeros_like(merged[3])) and (merged_lse[3] == float("-inf")).all()
     weight = lse[:3].softmax(1).nan_to_num()                                         # the plain formula
@@ -1011,12 +1013,12 @@ def test_compiled_paged_kernel_is_compiled_once_per_dense_batch(device):
         q_start = torch.tensor([40, 50, 20, 63][:B], device=device)
         q_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
         mask = torch.arange(4 * block, device=device)[None, None] <= q_start[:, None, None]    # [B, 1, 64]
-        block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk,
-                                              splits)
+        block_mask = paged_kernel.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk,
+                                                   splits)
         q_index = torch.tensor(rows, device=device)[:, None]                            # the dense rows of the step
         q = torch.randn(T, H, head_dim, generator=g).to(device)
         reference = torch.zeros_like(q)
-        kernels.paged_dense(reference, q, q_index, k_pool, v_pool, block_mask)
+        paged_kernel.paged_dense(reference, q, q_index, k_pool, v_pool, block_mask)
         steps.append((q, q_index, block_mask, reference))
     counters.clear()
     kernels.compile_kernels(paged=True)
@@ -1052,7 +1054,7 @@ def test_compiled_score_inputs_serve_every_batch_and_context():
             weight = torch.rand(B, Q, generator=g) * (torch.rand(B, Q, generator=g) > 0.3)
             lse = torch.randn(B, N_KV, G * Q, generator=g)
             expected = swapped_scores.score_inputs(q, q_index, k_pool, table, block, weight, lse)
-            got = kernels._paged["score_inputs"](q, q_index, k_pool, table, block, weight, lse)
+            got = paged_kernel._paged["score_inputs"](q, q_index, k_pool, table, block, weight, lse)
             for got_part, want in zip(got, expected):
                 torch.testing.assert_close(got_part, want)
     finally:
@@ -1082,7 +1084,7 @@ def test_compiled_score_pass_serves_every_batch_and_context():
     try:
         for args, expected in cases:
             got = torch.empty_like(expected)
-            kernels._paged["score_pass"](got, *args)
+            paged_kernel._paged["score_pass"](got, *args)
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
     finally:
         kernels.use_eager_kernels()
@@ -1102,11 +1104,11 @@ def test_compiled_paged_kernel_scores_verifications():
     q_valid = torch.tensor([[True] * 3, [True] * 3, [True, False, False], [True] * 3], device="cuda")
     mask = attention.causal_mask(q_start, q_valid, 4 * block)                              # [B, Q, 64]
     weight = q_valid.float() / q_valid.sum(1, keepdim=True)
-    block_mask = kernels.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk, splits)
+    block_mask = paged_kernel.paged_block_mask(block_table, mask, q_start, q_valid, block, pool_slots, G, chunk, splits)
     q_index = torch.arange(B * Q, device="cuda").view(B, Q)
     q = torch.randn(B * Q + 1, H, head_dim, generator=g).cuda()
     expected = torch.zeros_like(q)
-    kernels.paged_dense(expected, q, q_index, k_pool, v_pool, block_mask)
+    paged_kernel.paged_dense(expected, q, q_index, k_pool, v_pool, block_mask)
     keys = k_pool.view(-1, block, N_KV, head_dim)[block_table].flatten(1, 2)              # [B, 64, n_kv, D]
     expected_scores = pillar_scores(q[q_index], keys, mask, weight)
     kernels.compile_kernels(paged=True)
