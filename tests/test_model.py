@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_checkpoint
 from nano_sparsespec.config import ModelConfig
 from nano_sparsespec.model import load_model
+from nano_sparsespec.tools.measure import CompiledFrames
 
 ATOL = 1e-4
 
@@ -342,7 +343,11 @@ def test_compiled_elementwise_ops_match_eager(tmp_path):
     try:
         assert all(model_module._ops[n] is not f for n, f in model_module._eager_ops.items())
         compiled = model.full_logits(ids)
+        with CompiledFrames() as compiled_again:
+            fewer_rows = model.full_logits(ids[:7])          # token rows are dynamic: nothing compiles again
     finally:
         model_module.use_eager_elementwise()
     assert all(model_module._ops[n] is f for n, f in model_module._eager_ops.items())
     assert torch.allclose(compiled, eager, atol=1e-4)
+    assert torch.allclose(fewer_rows, model.full_logits(ids[:7]), atol=1e-4)
+    assert compiled_again.frames == {}
