@@ -40,7 +40,7 @@ from nano_sparsespec import paged as paged_kernel  # noqa: E402
 
 if device == "cuda":
     kernels.compile_kernels(paged=True, exact=True)
-    model.compile_elementwise()
+    kernels.compile_elementwise()
 block, n_kv, G, D = 64, 3, 3, 64                          # the embedded model's heads
 chunk, splits = paged_kernel.exact_chunks(8192 // block + 1, block)  # its block tables: 8,192 positions + 1 block
 positions = torch.tensor([100, 127, 128, 300, 511, 512, 700, 1000, 2047, 2100, 4000, 4095], device=device)

@@ -1,5 +1,5 @@
 """Device time per call of the fast path's compiled K/V write and elementwise pieces, compiled as the fast path
-compiles them (static sizes but the token rows: `kernels.compile_store`, `model.compile_elementwise`) against the
+compiles them (static sizes but the token rows: `kernels.compile_store`, `kernels.compile_elementwise`) against the
 same functions compiled for dynamic sizes (`torch.compile(fn, dynamic=True)`), at the embedded model's shapes:
 544 and 1,056 token rows (plain steps of batch 512 and 1,024) and 1,952 (a balanced step of batch 1,024 with 1,026
 window writes). Each timed as a CUDA graph of 30 calls, replayed 10 times. GPU only.
@@ -63,7 +63,7 @@ def main() -> None:
             dynamic = device_us(torch.compile(fn, dynamic=True), args)
             torch._dynamo.reset()
             if fast_path is None:
-                model.compile_elementwise()
+                kernels.compile_elementwise()
                 fast = device_us(model._ops[name], args)
                 model.use_eager_elementwise()
             else:

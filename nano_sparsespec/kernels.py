@@ -1,5 +1,4 @@
-"""The fast path's kernels, switched on from outside: torch.compile'd attention pieces and the
-paged dense kernel (paged.py).
+"""The fast path's kernels: torch.compile'd pieces swapped into the eager path's tables.
 
 Same math as the eager path (attention.py), switched on from outside (`LLM(compile=True)`,
 `--compile`): `compile_fast_path` swaps compiled versions into attention.py's and pillar_attn.py's
@@ -13,6 +12,8 @@ Owns
     and verification read the pool in place, scores come from swapped_scores.py's pass, and
     drafts read their draft-buffer rows in place through flex_drafts.py. `paged.paged_dense` runs
     three pieces, each compiled as a whole graph (a graph break's resume function recompiles).
+  * `compile_elementwise`: the model's norms, RoPE and SiLU, fused, for static sizes but the
+    token rows.
   * `use_eager_kernels` (the reference) and `use_paged_reference` (paged.py's kernel with
     uncompiled flex_attention: torch's reference implementation over the whole pool, which the
     CPU tests run on tiny pools).
@@ -42,7 +43,7 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = Fal
     paged_kernel.set_smallest_kernel_batch(dense_batch)
     use_project_compile_cache()
     compile_kernels(paged=device.type == "cuda" and cuda_graphs, exact=exact)
-    model.compile_elementwise()
+    compile_elementwise()
     verifier.compile_sampling()
 
 
@@ -81,6 +82,19 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
         in_place = verifier.sizes_apart(_static_but(flex_drafts, rows_dynamic | {10: (2,)}))
         kernels.update(paged=paged_dense, prepare=paged_prepare,
                        sparse=drafts_by_reading(kernels["sparse"], in_place))
+
+
+# The token-row arguments of the model's elementwise pieces (`compile_elementwise`)
+ELEMENTWISE_ROWS = {"rms_norm": (0,), "add_rms_norm": (0, 1), "apply_rope": (0, 1, 2),
+                    "silu_mul": (0,)}
+
+
+def compile_elementwise() -> None:
+    """Swap torch.compile'd (fused) versions into the model's elementwise table (norms, RoPE,
+    SiLU), equal up to float rounding: static sizes but the token rows (`_static_but`), so a
+    step's row count recompiles nothing and no element's index needs a runtime division."""
+    model._ops.update({name: _static_but(fn, {i: (0,) for i in ELEMENTWISE_ROWS[name]})
+                       for name, fn in model._eager_ops.items()})
 
 
 def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):

@@ -26,7 +26,8 @@ from .config import ModelConfig
 
 
 # ---- the elementwise pieces of a layer -----------------------------------------------------------
-# The eager versions are the reference; `compile_elementwise()` fuses each into one or two kernels.
+# The eager versions are the reference; the fast path swaps in fused ones
+# (`kernels.compile_elementwise`).
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (HF Qwen3 order)."""
@@ -56,26 +57,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 _ops = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, apply_rope, silu_mul)}
 _eager_ops = dict(_ops)
-
-
-def compile_elementwise() -> None:
-    """Swap in torch.compile'd (fused) elementwise pieces, equal up to float rounding. Each is
-    compiled for static sizes but its token rows (dim 0 of each tensor of two or more dims): a
-    step's row count recompiles nothing, and no element's index needs a runtime division."""
-    _ops.update({name: _rows_dynamic(fn) for name, fn in _eager_ops.items()})
-
-
-def _rows_dynamic(fn):
-    compiled = torch.compile(fn, dynamic=False)
-
-    def run(*args):
-        # fresh views: a tensor from another compiled function carries its dynamic dims in
-        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() > 1:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args)
-    return run
 
 
 def use_eager_elementwise() -> None:

@@ -332,14 +332,14 @@ def test_weight_bytes_follows_load_dtype(tmp_path):
 @pytest.mark.skipif(not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
                     reason="torch.compile unavailable")
 def test_compiled_elementwise_ops_match_eager(tmp_path):
-    """compile_elementwise() (the fast path's fused norms, RoPE and SiLU) computes what the eager functions do."""
-    from nano_sparsespec import model as model_module
+    """kernels.compile_elementwise() (the fast path's fused norms, RoPE and SiLU) computes what the eager ones do."""
+    from nano_sparsespec import kernels, model as model_module
 
     path, _ = make_tiny_checkpoint(tmp_path, "qwen3")
     model = load_model(path)
     ids = torch.tensor(_ids(12))
     eager = model.full_logits(ids)
-    model_module.compile_elementwise()
+    kernels.compile_elementwise()
     try:
         assert all(model_module._ops[n] is not f for n, f in model_module._eager_ops.items())
         compiled = model.full_logits(ids)
