@@ -581,3 +581,21 @@ def test_host_time_is_counted_in_the_phase_that_spends_it(tiny_qwen3, prompts, m
     assert all(seconds == 0 for other, seconds in spent.items() if other not in shows_in)
     assert stats.schedule_seconds + stats.launch_seconds + stats.process_seconds <= stats.seconds
     assert stats.result_wait_seconds <= stats.process_seconds
+
+
+def test_run_sets_the_collector_aside_and_restores_it(tiny_qwen3, prompts):
+    """During a run the objects alive before it are frozen out of the collector's full passes; after it (or after
+    an error inside it) the collector counts them again, as it did before."""
+    import gc
+
+    llm, before = LLM(str(tiny_qwen3[0]), device="cpu", dtype="float32", method="pillar"), gc.get_freeze_count()
+    during = []
+    llm.generate(None, GREEDY, prompt_token_ids=prompts[:2], on_step=lambda event: during.append(gc.get_freeze_count()))
+    assert min(during) > before and gc.get_freeze_count() == before
+
+    def fail(event):
+        raise RuntimeError("observer failed")
+
+    with pytest.raises(RuntimeError, match="observer failed"):
+        llm.generate(None, GREEDY, prompt_token_ids=prompts[:2], on_step=fail)
+    assert gc.get_freeze_count() == before
