@@ -432,3 +432,22 @@ def test_the_step_clock_leaves_out_graph_recording():
     # steps of 1.0, 0.1, 0.4 and 1.0 s (the last until the run's end at 3.0)
     assert clock.time_by_tenth(3.0) == pytest.approx([0.4, 0.04, 0.16, 0.4])
     assert tenths(25)[:3] == [(0, 2), (2, 5), (5, 7)] and len(tenths(25)) == 10 and tenths(0) == []
+
+
+def test_the_host_sampler_says_where_a_rows_host_time_goes(tiny_qwen3, prompts_file, tmp_path, capsys):
+    """--sample-host MS: each row of ours reports the package functions its host was in over the timed run, by share
+    of the samples (innermost with its line, and anywhere on the stack); a negative interval is refused."""
+    argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
+            "--batch-size", "2", "--max-new-tokens", "24", "--ignore-eos", "--stride", "2", "--min-budget", "8",
+            "--device", "cpu", "--threads", "1", "--rows", "plain,+async", "--json-out", str(tmp_path / "b.json")]
+    assert bench.main(argv + ["--sample-host", "0.5"]) == 0
+    for row in json.loads((tmp_path / "b.json").read_text())["rows"]:
+        samples = row["host_samples"]
+        assert samples["interval_ms"] == 0.5 and samples["samples"] > 20 and samples["recording"] == 0, row["name"]
+        within, own = dict(samples["within"]), samples["own"]
+        assert within["tools/rows.py:run_ours"] == 1.0 and 0.5 < within["async_loop.py:run"] <= 1.0, within
+        assert 0 < within["runner.py:launch"] <= within["async_loop.py:run"], within
+        assert all(0 < share <= 1 for _, share in own) and sum(share for _, share in own) <= 1.0001, own
+        assert all(name.count(":") == 2 and name.split(":")[2].isdigit() for name, _ in own), own
+    assert bench.main(argv + ["--sample-host", "-1"]) == 2
+    assert "--sample-host must be >= 0 ms (0: off), got -1.0" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from .profile import MODEL_SHAPES, parse_shapes, run_profile
 from .report import plot_rows, profile_markdown, rows_markdown
 from .rows import (DEFAULT_PROMPTS, ROWS, default_kv_blocks, finish_rows, load_workload,
                    parse_rows, run_hf, run_ours, spec_for)
-from .trace import StepWindow
+from .trace import HostSampler, StepWindow
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-dir", default=None,
                    help="with --trace-steps: write each window's Chrome trace (host and device "
                         "timelines) there as ROW_stepFIRST.json.gz")
+    p.add_argument("--sample-host", type=float, default=0.0, metavar="MS",
+                   help="each row of ours: sample the host's Python stack every MS milliseconds of "
+                        "its timed run and report the package functions it was in (innermost, "
+                        "with line, and anywhere on the stack); 5 costs the host under 0.5%%")
     p.add_argument("--profile-accepted", default=None,
                    help="mean accepted drafts to evaluate the speedup model at "
                         "(default: this run's +async "
@@ -182,6 +186,8 @@ def _run(args, argv: list[str]) -> int:
                              f"got {args.num_requests}")
         if not 0 < args.kv_fraction <= 1:
             raise ValueError(f"--kv-fraction must be in (0, 1], got {args.kv_fraction}")
+        if args.sample_host < 0:
+            raise ValueError(f"--sample-host must be >= 0 ms (0: off), got {args.sample_host}")
         if args.profile_steps:
             parse_shapes(args.profile_shapes)
         trace = parse_trace_steps(args.trace_steps) if args.trace_steps else None
@@ -262,8 +268,9 @@ def _run(args, argv: list[str]) -> int:
                 windows = [StepWindow(device, *w, args.profile_kernels or 25,
                                       trace_file(args.trace_dir, name, w[0]))
                            for w in trace or []]
+                sampler = HostSampler(args.sample_host / 1e3) if args.sample_host > 0 else None
                 row = run_ours(llm, spec_for(name, args, kv_blocks), token_ids, params, bm,
-                               windows)
+                               windows, sampler)
             row = {"name": name, **row}
             result["rows"].append(row)
             msg = (f"  {row['tokens']} tokens in {row['seconds']:.2f} s = "
@@ -277,6 +284,9 @@ def _run(args, argv: list[str]) -> int:
                 msg += (f", torch.compile compiled for {row['compile_seconds']:.1f} s "
                         f"({row['compile_seconds_recording']:.1f} s while recording graphs; "
                         f"all left out)")
+            if "host_samples" in row:
+                msg += "; host: " + ", ".join(f"{share:.0%} {where}"
+                                              for where, share in row["host_samples"]["own"][:5])
             print(msg, file=sys.stderr, flush=True)
             finish_rows(result["rows"], peak, args.temperature == 0)
             # After every row: a run cut short by a time limit keeps what it measured.

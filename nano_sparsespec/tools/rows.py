@@ -19,6 +19,7 @@ Must not change how the engine decodes: every row of ours goes through `LLM.gene
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -36,7 +37,7 @@ from ..device import common_prefix
 from ..llm import LLM
 from .measure import (ByteModel, CompiledFrames, PeakMemory, StepClock, _left_padded,
                       hf_kv_positions, synchronize, tenths)
-from .trace import StepWindow
+from .trace import HostSampler, StepWindow
 
 DEFAULT_PROMPTS = Path(__file__).parents[1] / "prompts" / "reasoning.jsonl"
 
@@ -101,10 +102,11 @@ def warm_up_tokens(stride: int) -> int:
 
 
 def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: list[SamplingParams],
-             bm: ByteModel, windows: list[StepWindow] = ()) -> dict:
+             bm: ByteModel, windows: list[StepWindow] = (),
+             sampler: HostSampler | None = None) -> dict:
     """One row of ours; with `windows`, torch.profiler watches some of its timed steps
     (`StepWindow`: their synchronisations and the profiler's overhead fall inside the timed
-    run)."""
+    run); with `sampler`, the host's stack is sampled over the whole timed run."""
     llm.spec = spec
     # Warm-up: the same requests with this row's settings, a few cycles long. torch.compile
     # specialises kernels on the first step of each kind (prefill chunks beside drafts and
@@ -126,8 +128,9 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             synchronize(llm.device)
             start, cpu_start = time.perf_counter(), time.process_time()
             clock = StepClock()
-            outputs = llm.generate(None, params, prompt_token_ids=token_ids,
-                                   on_step=lambda event: observe_step(event, clock, windows))
+            with sampler or contextlib.nullcontext():
+                outputs = llm.generate(None, params, prompt_token_ids=token_ids,
+                                       on_step=lambda event: observe_step(event, clock, windows))
             synchronize(llm.device)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             end = start + seconds
@@ -176,7 +179,8 @@ def run_ours(llm: LLM, spec: SpecConfig, token_ids: list[list[int]], params: lis
             "offloads": stats.offloads, "restores": stats.restores, "kv_blocks": spec.kv_blocks,
             "peak_memory_bytes": mem.peak_bytes + llm.model.weight_bytes(),
             "token_ids": [o.token_ids for o in outputs],
-            **({"step_windows": [w.finish() for w in windows]} if windows else {})}
+            **({"step_windows": [w.finish() for w in windows]} if windows else {}),
+            **({"host_samples": sampler.result()} if sampler else {})}
 
 
 def observe_step(event, clock: StepClock, windows: list[StepWindow]) -> None:
