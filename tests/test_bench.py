@@ -3,6 +3,7 @@ sane values, greedy rows of ours equal plain decoding, the byte model matches ha
 profile runs on tiny shapes (including a random-weight model built from a config)."""
 import gzip
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -440,7 +441,9 @@ def test_the_host_sampler_says_where_a_rows_host_time_goes(tiny_qwen3, prompts_f
     argv = ["--model", str(tiny_qwen3[0]), "--prompts-file", str(prompts_file), "--prompt-field", "question",
             "--batch-size", "2", "--max-new-tokens", "24", "--ignore-eos", "--stride", "2", "--min-budget", "8",
             "--device", "cpu", "--threads", "1", "--rows", "plain,+async", "--json-out", str(tmp_path / "b.json")]
+    switch_interval = sys.getswitchinterval()
     assert bench.main(argv + ["--sample-host", "0.5"]) == 0
+    assert sys.getswitchinterval() == switch_interval        # (shortened while sampling, then restored)
     for row in json.loads((tmp_path / "b.json").read_text())["rows"]:
         samples = row["host_samples"]
         assert samples["interval_ms"] == 0.5 and samples["samples"] > 20 and samples["recording"] == 0, row["name"]

@@ -155,6 +155,11 @@ class HostSampler:
         self._names: dict = {}             # code object -> 'file:function' or None
 
     def __enter__(self) -> "HostSampler":
+        # the main thread hands the interpreter over within 50 us of a sample's request, not 5 ms
+        # (Python's default switch interval), so that a sample lands where the main thread is,
+        # not at the next place where it lets go of the interpreter (a torch call, typically)
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(5e-5)
         main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._sample, args=(main,), daemon=True)
         self._thread.start()
@@ -163,6 +168,7 @@ class HostSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        sys.setswitchinterval(self._switch_interval)
 
     def _where(self, code) -> str | None:
         """'file:function' of a code object of this package (None for any other), made once."""
