@@ -175,9 +175,8 @@ class Engine:
 
     def run(self, observers: Observers | None = None) -> RunStats:
         self.observers = observers or Observers()
-        # The objects alive before the run (the model, torch's and the compiler's state) are kept
-        # out of the garbage collector's full passes, which would walk them all every few hundred
-        # steps: host time that a step pays whenever the host, not the device, sets the pace.
+        # the objects alive before the run (model, torch, compiler) are kept out of the collector's
+        # full passes, which would walk them all every few hundred steps: host time a step pays
         gc.freeze()
         try:
             return self._loop()
