@@ -188,8 +188,8 @@ class HostSampler:
                     if where == "cuda_graphs.py:_record":
                         self.recording += 1
                         break
-                    if innermost is None:
-                        innermost = f"{where}:{frame.f_lineno}"
+                    if innermost is None:          # (line 0: the frame has none just now)
+                        innermost = f"{where}:{frame.f_lineno or 0}"
                     seen.add(where)
                 frame = frame.f_back
             else:
