@@ -148,14 +148,12 @@ class Observers:
 class Engine:
     """Runs a batch of requests to completion on one model and one KV pool."""
 
-    def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache,
-                 eos_token_ids: set[int],
+    def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache, eos_token_ids: set[int],
                  decode_tail: Callable[[list[int]], str] | None = None,
                  cuda_graphs: bool = False,
                  runner_class: type[ModelRunner] = ModelRunner):
         self.model, self.spec, self.cache = model, spec, cache
-        self.eos = eos_token_ids
-        self.decode_tail = decode_tail
+        self.eos, self.decode_tail = eos_token_ids, decode_tail
         self.max_len = model.config.max_position_embeddings
         self.scheduler = Scheduler(spec, cache, self.max_len)
         self.runner = runner_class(model, cache, spec, cuda_graphs)
@@ -175,13 +173,15 @@ class Engine:
 
     def run(self, observers: Observers | None = None) -> RunStats:
         self.observers = observers or Observers()
-        # the objects alive before the run (model, torch, compiler) are kept out of the collector's
-        # full passes, which would walk them all every few hundred steps: host time a step pays
+        # objects alive before the run (model, torch, compiler) stay out of the collector's full
+        # passes, which would walk them every few hundred steps; a caller's frozen ones stay frozen
+        thaw = gc.get_freeze_count() == 0
         gc.freeze()
         try:
             return self._loop()
         finally:
-            gc.unfreeze()
+            if thaw:
+                gc.unfreeze()
 
     def _loop(self) -> RunStats:
         start = time.perf_counter()

@@ -585,7 +585,7 @@ def test_host_time_is_counted_in_the_phase_that_spends_it(tiny_qwen3, prompts, m
 
 def test_run_sets_the_collector_aside_and_restores_it(tiny_qwen3, prompts):
     """During a run the objects alive before it are frozen out of the collector's full passes; after it (or after
-    an error inside it) the collector counts them again, as it did before."""
+    an error inside it) the collector counts them again, as it did before; a caller's own frozen objects stay frozen."""
     import gc
 
     llm, before = LLM(str(tiny_qwen3[0]), device="cpu", dtype="float32", method="pillar"), gc.get_freeze_count()
@@ -599,3 +599,9 @@ def test_run_sets_the_collector_aside_and_restores_it(tiny_qwen3, prompts):
     with pytest.raises(RuntimeError, match="observer failed"):
         llm.generate(None, GREEDY, prompt_token_ids=prompts[:2], on_step=fail)
     assert gc.get_freeze_count() == before
+    gc.freeze()                     # a caller that froze its own objects: the run leaves them frozen
+    try:
+        llm.generate(None, GREEDY, prompt_token_ids=prompts[:2])
+        assert gc.get_freeze_count() > 0         # (freed frozen objects leave the count: not ==)
+    finally:
+        gc.unfreeze()
