@@ -7,15 +7,15 @@ tables' changes) run as they do on the GPU; no graph is replayed, and the step's
 request accepts each draft with probability 0.97 (about 7 of 8, as pillar-lookup does), or with `spread` with a
 probability of each request's own, drawn so that its mean accepted count follows the quantiles of the H200
 pillar-lookup row's requests (`SPREAD`, linear between them), and selects the budget's first positions.
-Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a request drafts or
-verifies (busy), sits out a step while its verification is in flight (stall), waits for its verify slot or
-its prefill, or the slot holds no request (empty). Padding: the share of the key positions the verifications'
-score pass gathers (the bucket's dense batch x its longest context) and of the positions the drafts attend to
-(its sparse batch x (widest selection + widest window)) past each request's own. Host milliseconds a step:
-the mean and the median over the steps that give at least 95% of the batch work, the median split into
-scheduling and launching it, and the rest of the loop (processing the step before's results), leaving out the time this script spends
-making up results and counting slot-steps and padding; device buffers are not touched, and the selection
-refresh's few tensor operations, which a GPU only launches, compute here on the CPU.
+Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-steps: a request drafts or verifies
+(busy), sits out a step while its verification is in flight (stall), waits for its verify slot or its prefill, or
+the slot holds no request (empty). Padding: the share of the key positions the verifications' score pass gathers
+(the bucket's dense batch x its longest context) and of the positions the drafts attend to (its sparse batch x
+(widest selection + widest window)) past each request's own. Host milliseconds a step: the mean and the median
+over the steps that give at least 95% of the batch work, the median split into scheduling and launching it, and
+the rest of the loop (processing the step before's results), leaving out the time this script spends making up
+results and counting slot-steps and padding; device buffers are not touched, and the selection refresh's few
+tensor operations, which a GPU only launches, compute here on the CPU.
 
     python benchmarks/count_graph_buckets.py BATCH REQUESTS TOKENS [METHOD [POLICY [uniform|spread [REFRESH]]]]
     python benchmarks/count_graph_buckets.py 1024 2048 4096 pillar-lookup balanced spread
