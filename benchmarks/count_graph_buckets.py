@@ -159,8 +159,9 @@ def main() -> None:
                 slot_steps["stall" if seq.awaiting_result else "wait"] += 1
         last[0] = time.perf_counter()              # (this count is not the host's work either)
 
-    llm.generate(None, SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=0.0),
-                 prompt_token_ids=prompts, on_step=count_slots)
+    # one SamplingParams a request (its seed), as the bench gives them
+    params = [SamplingParams(max_new_tokens=tokens, ignore_eos=True, seed=i) for i in range(requests)]
+    llm.generate(None, params, prompt_token_ids=prompts, on_step=count_slots)
     print(f"{method} {policy}, refresh_every {refresh_every}, batch {batch}, "
           f"{requests} requests x {tokens} tokens: "
           f"{llm.last_stats.graphs_recorded} buckets over {llm.last_stats.steps} steps, "
