@@ -105,9 +105,9 @@ def kv_positions_read(works: list[Work], selection_len: list[int], method: str) 
     verification, plain decode, `full` drafts) reads its context up to its last query token once
     for all its query tokens; a sparse draft reads its selected positions plus those written
     since the last verification (a draft ahead: as if none of the drafts in flight is accepted)."""
-    return sum(selection_len[w.seq.row] + (w.start - w.seq.num_verified + 1)
-               if w.kind == "draft" and method != "full" else w.start + w.num_tokens
-               for w in works)
+    sparse = method != "full"    # (below, len(tokens) - 1 is `Sequence.num_verified`, inlined)
+    return sum(selection_len[w.seq.row] + w.start - len(w.seq.tokens) + 2
+               if sparse and w.kind == "draft" else w.start + w.num_tokens for w in works)
 
 
 @dataclass

@@ -82,10 +82,14 @@ class Sequence:
     accepted_counts: list[int] = field(default_factory=list)    # accepted drafts per verification
     drafts_per_verify: list[int] = field(default_factory=list)  # drafts offered per verification
     commit_log: list[tuple[int, int]] = field(default_factory=list)  # (accepted, 1) per commit
+    # (greedy, filtered by top-k or top-p): all `SamplingTensors.host_flags` reads of its params
+    sampling_kind: tuple[bool, bool] = (False, False)
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
         self.token_limit = self.final_length
+        p = self.params
+        self.sampling_kind = (p.greedy, p.top_k > 0 or p.top_p < 1.0)
 
     @property
     def num_prompt(self) -> int:
@@ -230,7 +234,7 @@ class Scheduler:
     def action(self, seq: Sequence, step: int) -> str:
         """What a prefilled request does at global step `step`: verify, draft, wait, stall,
         ahead (decode on the token in flight) or draft ahead (of the verification in flight)."""
-        if seq.awaiting_result:
+        if seq.results_in_flight:      # (`awaiting_result`, without a property call per request)
             # ahead of one token in flight (not of a verification's drafts), and only if that
             # token is not the request's last
             runs_ahead = self.spec.runs_ahead or (seq.decodes_plainly and seq.num_drafts == 0)
@@ -244,9 +248,10 @@ class Scheduler:
         if seq.decodes_plainly or (step - seq.verify_slot) % self.period == 0:
             return "verify"
         # (k drafts made: no need to ask draft_limit, which most requests never reach)
-        if seq.num_drafts >= self.drafts_per_cycle:
+        drafts = seq.num_drafts
+        if drafts >= self.drafts_per_cycle:
             return "wait"
-        return "draft" if seq.num_drafts < self.draft_limit(seq) else "wait"
+        return "draft" if drafts < self.draft_limit(seq) else "wait"
 
     def draft_limit(self, seq: Sequence, committing: int = 0) -> int:
         """Drafts worth making this cycle: at most k, no more than the tokens and context left

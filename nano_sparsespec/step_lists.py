@@ -124,7 +124,8 @@ class StepLists:
         # shorter dense requests' padding queries need a padding row (a whole token's work)
         has_padding = len(dense) * q_max > sum(w.num_tokens for w in dense)
         def flags(ws):   # SamplingTensors.host_flags of these works' requests, as items
-            params = {id(w.seq.params): w.seq.params for w, _ in ws}   # (usually one object)
+            # one request's params per kind of sampling (`Sequence.sampling_kind`): usually one
+            params = {w.seq.sampling_kind: w.seq.params for w, _ in ws}
             return tuple(verifier.SamplingTensors.host_flags(list(params.values())).items())
         context = max((w.start + w.num_tokens for w in dense), default=0)
         pillar = self.spec.method in PILLAR_METHODS
