@@ -73,6 +73,12 @@ class Packed:
         """Elements the lists `names` take."""
         return sum(math.prod(self.shapes[name]) for name in names)
 
+    def view(self, name: str) -> torch.Tensor:
+        """The sent copy of one list (where a step needs a few of its lists, not all `views`)."""
+        names = list(self.shapes)
+        start = self.size(names[:names.index(name)])
+        return self.flat[start:start + math.prod(self.shapes[name])].view(self.shapes[name])
+
     def views(self, flat: torch.Tensor | None = None, names=None) -> dict[str, torch.Tensor]:
         """name -> a view of `flat` (default: the sent copy) in this layout.
 

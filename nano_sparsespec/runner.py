@@ -248,20 +248,19 @@ class ModelRunner:
             lists["table_changes"] = changes
         self._send_sampling_params(seqs)
         upload = Packed(lists, self.device)
-        dev = upload.views()
         # every column in use came in a change once: the changes (and the dense context) say width
-        self._apply_table_changes(dev.get("table_changes"),
+        self._apply_table_changes(upload.view("table_changes") if changes else None,
                                   max([shape.dense_blocks] + [col + 1 for _, col, _ in changes]))
         self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
         if plan.sparse:
             self._widen_draft_buffers(self.selection_room)
         queued = time.perf_counter()
         packed, scores = (self.graphs.run(shape, upload, names) if static  # valid until next replay
-                          else self._compute(shape, dev))
+                          else self._compute(shape, upload.views()))
         self.queue_seconds += time.perf_counter() - queued
         checks = len(plan.checks)
         if scores is not None:   # gathered outside the graph: read after the next replay
-            scores = scores[:, dev["check_dense_index"][:checks]]
+            scores = scores[:, upload.view("check_dense_index")[:checks]]
         return packed[:checks], scores
 
     def _compute(self, shape: StepShape,
