@@ -55,7 +55,7 @@ class Packed:
         for name, values in lists.items():
             if isinstance(values, torch.Tensor):
                 self.shapes[name] = tuple(values.shape)
-                parts += [long_tensor(ints), values.to(torch.long).flatten()]
+                parts += ([long_tensor(ints)] if ints else []) + [values.to(torch.long).flatten()]
                 ints = []
             elif values and isinstance(values[0], (list, tuple)):
                 self.shapes[name] = (len(values), len(values[0]))
