@@ -83,7 +83,7 @@ class Sequence:
     drafts_per_verify: list[int] = field(default_factory=list)  # drafts offered per verification
     commit_log: list[tuple[int, int]] = field(default_factory=list)  # (accepted, 1) per commit
     # (greedy, filtered by top-k or top-p): all `SamplingTensors.host_flags` reads of its params
-    sampling_kind: tuple[bool, bool] = (False, False)
+    sampling_kind: tuple[bool, bool] = field(init=False, default=(False, False))
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)

@@ -107,6 +107,26 @@ def test_dense_runs_group_prefill_chunks_by_length():
         (0, 1, 32, 2, True), (1, 1, 15, 1, True))
 
 
+def test_a_step_s_sampling_flags_are_those_of_all_its_requests():
+    """`StepShape.draft_flags`: `SamplingTensors.host_flags` of every drafting request's params, in any order and
+    mix of greedy, sampled and filtered requests (a greedy request's top-k is ignored), two requests of each kind."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+    from nano_sparsespec.scheduler import Sequence, Work
+    from nano_sparsespec.step_lists import StepLists, StepPlan
+    from nano_sparsespec.verifier import SamplingTensors
+
+    kinds = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9),
+             SamplingParams(top_k=5)]
+    lists = StepLists(SpecConfig(method="pillar"), SimpleNamespace(block_size=16), scratch_row=8)
+    orders = itertools.chain.from_iterable(itertools.permutations(range(4), n) for n in range(1, 5))
+    for order in orders:
+        params = [replace(kinds[j], seed=copy) for j in order for copy in range(2)]
+        seqs = [Sequence(row, [1, 2, 3], p, seed=row, row=row) for row, p in enumerate(params)]
+        shape = lists.shape(StepPlan.of([Work(s, "draft", 3, 1) for s in seqs], "pillar"))
+        assert shape.draft_flags == tuple(SamplingTensors.host_flags(params).items()), order
+
+
 @pytest.mark.parametrize("stride", [1, 4, 8])
 def test_strides(tiny_qwen3, prompts, plain_greedy, stride):
     _, outs = run(tiny_qwen3[0], prompts, method="pillar", stride=stride, min_budget=8, budget_ratio=0.1)
