@@ -150,6 +150,11 @@ class SamplingParams:
         """True when the request decodes greedily (temperature 0)."""
         return self.temperature == 0.0
 
+    @property
+    def filtered(self) -> bool:
+        """True when top-k or top-p cuts its distribution (ignored when greedy)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
 
 DRAFT_METHODS = ("plain", "pillar", "streaming", "ngram", "full", "pillar-lookup")
 PILLAR_METHODS = ("pillar", "pillar-lookup")   # choose critical positions from verification scores

@@ -82,14 +82,14 @@ class Sequence:
     accepted_counts: list[int] = field(default_factory=list)    # accepted drafts per verification
     drafts_per_verify: list[int] = field(default_factory=list)  # drafts offered per verification
     commit_log: list[tuple[int, int]] = field(default_factory=list)  # (accepted, 1) per commit
-    # (greedy, filtered by top-k or top-p): all `SamplingTensors.host_flags` reads of its params
+    # (greedy, filtered): all `SamplingTensors.host_flags` reads of its params, so that a step
+    # finds its flags from one request of each kind (`StepLists.shape`)
     sampling_kind: tuple[bool, bool] = field(init=False, default=(False, False))
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
         self.token_limit = self.final_length
-        p = self.params
-        self.sampling_kind = (p.greedy, p.top_k > 0 or p.top_p < 1.0)
+        self.sampling_kind = (self.params.greedy, self.params.filtered)
 
     @property
     def num_prompt(self) -> int:

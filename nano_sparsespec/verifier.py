@@ -99,8 +99,7 @@ class SamplingTensors:
     def host_flags(params_list: list[SamplingParams]) -> dict:
         """use_filter / all_greedy / any_greedy of rows holding these params."""
         greedy = [p.greedy for p in params_list]
-        return dict(use_filter=any(p.top_k > 0 or p.top_p < 1.0
-                                   for p in params_list if not p.greedy),
+        return dict(use_filter=any(p.filtered for p in params_list if not p.greedy),
                     all_greedy=all(greedy), any_greedy=any(greedy))
 
     def _map(self, f) -> "SamplingTensors":
