@@ -317,8 +317,12 @@ def sizes_apart(compiled):
     rows; the draft logits' storage offset, the checks' rows before them, may be one row of the
     vocabulary), and the next step, where they differ, would compile it again."""
     def run(*args):
-        with shapes_config.patch(use_duck_shape=False):
+        # as `shapes_config.patch(use_duck_shape=False)`, at a fourth of its host time
+        duck, shapes_config.use_duck_shape = shapes_config.use_duck_shape, False
+        try:
             return compiled(*args)
+        finally:
+            shapes_config.use_duck_shape = duck
     return run
 
 
