@@ -30,7 +30,7 @@ import torch
 
 from . import ngram, pillar_attn
 from .config import PILLAR_METHODS, SpecConfig
-from .device import Packed, to_device
+from .device import to_device
 from .kv_cache import KVCache
 from .model import CausalLM
 from .runner import ModelRunner
@@ -323,11 +323,7 @@ class Engine:
             works = result.verify_works
             fresh = [(i, seq) for i, seq in refresh if works[i].reselects]
             kept = [(i, seq) for i, seq in refresh if not works[i].reselects]
-            if fresh:
-                self._reselect(result, fresh)
-            if kept:       # their verifications computed no scores: the selections stay
-                self._set_selections(result, kept,
-                                     *self.runner.kept_selections([seq for _, seq in kept]))
+            self._set_selections(result, fresh + kept, *self._next_selections(result, fresh, kept))
             if spec.method == "pillar-lookup":
                 self.runner.set_context_tokens(seqs)
         elif spec.method == "streaming":
@@ -342,59 +338,58 @@ class Engine:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
-    def _reselect(self, result: StepResult, refresh: list[tuple[int, Sequence]]) -> None:
-        """New selections from the scores of verifications (and last prefill chunks) that
-        re-select (`Work.reselects`)."""
-        spec, seqs = self.spec, [seq for _, seq in refresh]
-        index = to_device([i for i, _ in refresh], torch.long, self.cache.device)
-        context = [s.num_verified for s in seqs]
-        chosen, widths = pillar_attn.top_positions(result.scores, context,
-                                                   [spec.budget(c) for c in context], index)
-        chosen = pillar_attn.for_every_layer(chosen, spec.score_every, self.model.config.num_layers)
-        # the scores an observer sees, [Ls, B, n_kv, Lmax]
-        observed = None if self.observers.on_selection is None else result.scores[:, index]
-        self._set_selections(result, refresh, chosen, widths, observed)
+    def _next_selections(self, result: StepResult, fresh: list[tuple[int, Sequence]],
+                         kept: list[tuple[int, Sequence]]
+                         ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """The next selections in one batch, positions [B, L, n_kv, N] (request b's first
+        widths[b]): new ones from the scores of the verifications (and last prefill chunks) of
+        `fresh` (`Work.reselects`), then those of `kept` as they stand (their checks scored none);
+        the widths; the scores an observer sees [Ls, F, n_kv, Lmax] (None without one)."""
+        parts, widths, observed = [], [], None
+        if fresh:
+            spec, index = self.spec, [i for i, _ in fresh]
+            context = [seq.num_verified for _, seq in fresh]
+            chosen, widths = pillar_attn.top_positions(result.scores, context,
+                                                       [spec.budget(c) for c in context], index)
+            parts.append(pillar_attn.for_every_layer(chosen, spec.score_every,
+                                                     self.model.config.num_layers))
+            if self.observers.on_selection is not None:
+                observed = result.scores[:, to_device(index, torch.long, self.cache.device)]
+        if kept:
+            chosen, kept_widths = self.runner.kept_selections([seq for _, seq in kept])
+            parts, widths = parts + [chosen], widths + kept_widths
+        return pillar_attn.joined(parts), widths, observed
 
     def _set_selections(self, result: StepResult, refresh: list[tuple[int, Sequence]],
                         chosen: torch.Tensor, widths: list[int],
-                        scores: torch.Tensor | None = None) -> None:
-        """Hand the runner the selections chosen [B, L, n_kv, N] (request b's first widths[b]),
-        with the positions each verification just accepted first when `keep_accepted`."""
+                        scores: torch.Tensor | None) -> None:
+        """Hand the runner the selections chosen [B, L, n_kv, N] (request b's first widths[b]) in
+        rank order (lookups displace the last ones), with the positions each verification just
+        accepted (its pending token's and its accepted drafts') ranked first when `keep_accepted`
+        (`pillar_attn.keep_first`)."""
         seqs = [seq for _, seq in refresh]
         if self.spec.keep_accepted:
-            chosen = self._keep_accepted(result, refresh, chosen, widths)
-        # in rank order: lookups displace the last ones
+            first, count = [], []   # accepted by request b: first[b] .. first[b] + count[b] - 1
+            for i, seq in refresh:
+                work = result.verify_works[i]
+                verified = work.kind == "verify"          # (a last prefill chunk accepted none)
+                first.append(work.start if verified else 0)
+                count.append(seq.num_verified - work.start if verified else 0)
+            if max(count):
+                chosen = pillar_attn.keep_spans_first(chosen, widths, first, count, self.max_len)
         self.runner.set_selections(seqs, chosen, widths)
         self._observe_selections(seqs, chosen, widths, scores)
-
-    def _keep_accepted(self, result: StepResult, refresh: list[tuple[int, Sequence]],
-                       chosen: torch.Tensor, widths: list[int]) -> torch.Tensor:
-        """`chosen` [B, L, n_kv, N] (request b's first widths[b]) with the positions each
-        verification just accepted (its pending token's and its accepted drafts') ranked first
-        (`pillar_attn.keep_first`)."""
-        first, count = [], []   # accepted by request b: first[b] .. first[b] + count[b] - 1
-        for i, seq in refresh:
-            work = result.verify_works[i]
-            verified = work.kind == "verify"          # (a last prefill chunk accepted none)
-            first.append(work.start if verified else 0)
-            count.append(seq.num_verified - work.start if verified else 0)
-        if max(count) == 0:
-            return chosen
-        spans = Packed({"first": first, "count": count, "width": widths}, self.cache.device).views()
-        j = torch.arange(max(count), device=self.cache.device)                        # [M]
-        valid = j < spans["count"][:, None]                                            # [B, M]
-        keep = torch.where(valid, spans["first"][:, None] + j, 0)
-        return pillar_attn.keep_first(chosen, spans["width"], keep, valid, self.max_len)
 
     def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
                             scores: torch.Tensor | None = None) -> None:
         """Hand each refreshed selection [L, n_kv, width] to `Observers.on_selection` (scores
-        [Ls, B, n_kv, Lmax] cut to the request's context, a layer that scores none given those of
-        the scored layer before it)."""
+        [Ls, F, n_kv, Lmax] of the first F requests, cut to the request's context, a layer that
+        scores none given those of the scored layer before it)."""
         if self.observers.on_selection is None:
             return
         if scores is not None:
             scores = pillar_attn.for_every_layer(scores, self.spec.score_every, chosen.shape[1], 0)
         for b, (seq, width) in enumerate(zip(seqs, widths)):
-            seq_scores = None if scores is None else scores[:, b, :, :seq.num_verified]
+            seq_scores = None if scores is None or b >= scores.shape[1] else \
+                scores[:, b, :, :seq.num_verified]
             self.observers.on_selection(seq, seq_scores, chosen[b, ..., :width])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .device import to_device
+from .device import Packed
 
 
 def attention_logits(q, k, mask):
@@ -77,21 +77,23 @@ def select_pillar(scores: torch.Tensor, context_len, budget) -> list[torch.Tenso
 
 
 def top_positions(scores: torch.Tensor, context_len, budget,
-                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+                  rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """`select_pillar` for the whole batch at once: arguments as there, or the requests `rows`
-    [B] of scores [Ls, Bs, n_kv, Lmax] (None: all) -> (positions [B, L, n_kv, N] best first,
+    (B ints) of scores [Ls, Bs, n_kv, Lmax] (None: all) -> (positions [B, L, n_kv, N] best first,
     position 0 past each request's own, and the widths min(B_b, len_b), B ints; N the largest).
     Ties break towards the lower position, so the selection is deterministic: one top-k over int32
-    keys (`selection_keys`). The counts are host ints: nothing here waits for the device."""
+    keys (`selection_keys`). The counts are host ints (one upload): nothing here waits for the
+    device."""
     context, budget = [int(c) for c in context_len], [int(b) for b in budget]
     Lmax, device = scores.shape[-1], scores.device
     widths = [min(b, c) for b, c in zip(budget, context)]
-    keys = _kernels["keys"](scores, rows, to_device(context, torch.long, device),
+    lists = Packed({"context": context, "widths": widths, "rows": rows or []}, device).views()
+    keys = _kernels["keys"](scores, None if rows is None else lists["rows"], lists["context"],
                             max(1, (Lmax - 1).bit_length()))                  # [L, B, n_kv, Lmax]
     N = max(widths)
     order = keys.topk(N, dim=-1).indices.transpose(0, 1)                       # [B, L, n_kv, N]
     columns = torch.arange(N, device=device)
-    real = columns[None, :] < to_device(widths, torch.long, device)[:, None]  # [B, N]
+    real = columns[None, :] < lists["widths"][:, None]                          # [B, N]
     return torch.where(real[:, None, None, :], order, 0), widths
 
 
@@ -128,6 +130,13 @@ def stacked(selections: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     each request's own; widths n_b), as `top_positions` returns them."""
     widths = [s.shape[-1] for s in selections]
     return torch.stack([F.pad(s, (0, max(widths) - w)) for s, w in zip(selections, widths)]), widths
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Batches of selections [B_i, L, n_kv, N_i] -> one [sum B_i, L, n_kv, max N_i] (padded)."""
+    width = max(p.shape[-1] for p in parts)
+    padded = [F.pad(p, (0, width - p.shape[-1])) if p.shape[-1] < width else p for p in parts]
+    return padded[0] if len(padded) == 1 else torch.cat(padded)
 
 
 def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers: int,
@@ -192,6 +201,18 @@ def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch
     """A ranked selection with the valid `keep` positions (distinct, inside the context) ranked
     first, the budget unchanged: arguments and result as `merge_ranked`."""
     return _kernels["merge"](selection, selection_len, keep, keep_valid, positions, True)
+
+
+def keep_spans_first(selection: torch.Tensor, selection_len: list[int], first: list[int],
+                     count: list[int], positions: int) -> torch.Tensor:
+    """`keep_first` of the spans first[b] .. first[b] + count[b] - 1 (request b's), from host
+    lists (one upload): selection [B, L, n_kv, N] -> [B, L, n_kv, N]."""
+    spans = Packed({"first": first, "count": count, "width": selection_len},
+                   selection.device).views()
+    j = torch.arange(max(count), device=selection.device)                             # [M]
+    valid = j < spans["count"][:, None]                                                # [B, M]
+    keep = torch.where(valid, spans["first"][:, None] + j, 0)
+    return keep_first(selection, spans["width"], keep, valid, positions)
 
 
 # what `top_positions` and `keep_first` call: the eager functions, or the fast path's compiled ones

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from . import attention, verifier
 from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
@@ -138,24 +139,28 @@ class ModelRunner:
         columns = max(n, self.spec.budget(longest))
         self.selection_room = max(self.selection_room, columns if self.graphs is None else
                                   round_up(columns, self.graphs.width_step))
-        rows = self._dev([s.row for s in seqs])
+        # a request that drafted ahead of this: its draft's K/V (the pending position's) go to the
+        # new window's first column, with the selection's (one copy for all)
+        ahead = [b for b, s in enumerate(seqs) if s.num_drafts]
+        window = [widths[b] + self.lookups for b in ahead]
+        lists = Packed({"rows": [s.row for s in seqs], "ahead": ahead, "window": window,
+                        "pending": [seqs[b].num_verified for b in ahead]}, self.device).views()
+        rows = lists["rows"]                                                             # [B]
         if self.keeps_selection:
             self.selection = self._widen(self.selection, self.selection_room)
             self.selection[rows, :, :, :n] = positions                      # [B, L, n_kv, n]
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
         self._widen_draft_buffers(self.selection_room)
+        # past a request's width the copies are padding (unread: its lookups and drafts write there)
+        copied = max([n] + [w + 1 for w in window])
+        positions = F.pad(positions, (0, copied - n))              # [B, L, n_kv, copied], a copy
+        if ahead:
+            positions[lists["ahead"], :, :, lists["window"]] = lists["pending"][:, None, None]
         # the device's block tables cover every position read here: a selection's (verified) and
         # a draft ahead's came in the launches of the steps that wrote them, all queued before this
-        block_table = self.block_tables[rows]                                     # [B, blocks]
-        self._fill_draft_buffers(block_table, positions, rows,
-                                 torch.arange(n, device=self.device).expand(len(seqs), -1))
-        ahead = [b for b, s in enumerate(seqs) if s.num_drafts]   # drafted ahead of this
-        if ahead:   # its draft's K/V (the pending position's) go to the new window's first column
-            new = Packed({"index": ahead, "pending": [seqs[b].num_verified for b in ahead],  # [A]
-                          "column": [widths[b] + self.lookups for b in ahead]}, self.device).views()
-            self._fill_draft_buffers(block_table[new["index"]], new["pending"][:, None, None, None],
-                                     rows[new["index"]], new["column"][:, None])
+        self._fill_draft_buffers(self.block_tables[rows], positions, rows,
+                                 torch.arange(copied, device=self.device).expand(len(seqs), -1))
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
                             rows: torch.Tensor, columns: torch.Tensor) -> None:

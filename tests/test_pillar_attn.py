@@ -957,7 +957,7 @@ def test_compiled_selection_pieces_match_the_eager_ones():
             fast_keys = [pillar_attn._kernels["keys"](*args) for args in keys_inputs]
             fast_kept = [pillar_attn.keep_first(*args) for args in keep_inputs]
             scores, rows, context, _ = keys_inputs[2]
-            chosen, widths = pillar_attn.top_positions(scores, context, [50, 600, 9, 300], rows)
+            chosen, widths = pillar_attn.top_positions(scores, context, [50, 600, 9, 300], rows.tolist())
     finally:
         kernels.use_eager_kernels()
     assert pillar_attn._kernels == pillar_attn.EAGER_KERNELS
