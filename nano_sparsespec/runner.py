@@ -139,9 +139,7 @@ class ModelRunner:
         columns = max(n, self.spec.budget(longest))
         self.selection_room = max(self.selection_room, columns if self.graphs is None else
                                   round_up(columns, self.graphs.width_step))
-        # a request that drafted ahead of this: its draft's K/V (the pending position's) go to the
-        # new window's first column, with the selection's (one copy for all)
-        ahead = [b for b, s in enumerate(seqs) if s.num_drafts]
+        ahead = [b for b, s in enumerate(seqs) if s.num_drafts]   # drafted ahead of this
         window = [widths[b] + self.lookups for b in ahead]
         lists = Packed({"rows": [s.row for s in seqs], "ahead": ahead, "window": window,
                         "pending": [seqs[b].num_verified for b in ahead]}, self.device).views()
@@ -155,7 +153,7 @@ class ModelRunner:
         # past a request's width the copies are padding (unread: its lookups and drafts write there)
         copied = max([n] + [w + 1 for w in window])
         positions = F.pad(positions, (0, copied - n))              # [B, L, n_kv, copied], a copy
-        if ahead:
+        if ahead:   # a draft ahead's K/V (the pending position's): the new window's first column
             positions[lists["ahead"], :, :, lists["window"]] = lists["pending"][:, None, None]
         # the device's block tables cover every position read here: a selection's (verified) and
         # a draft ahead's came in the launches of the steps that wrote them, all queued before this
