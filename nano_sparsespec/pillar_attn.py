@@ -128,8 +128,7 @@ def for_every_layer(per_scored: torch.Tensor, score_every: int, num_layers: int,
 def stacked(selections: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     """Per-request selections [L, n_kv, n_b] -> (positions [B, L, n_kv, max n_b], position 0 past
     each request's own; widths n_b), as `top_positions` returns them."""
-    widths = [s.shape[-1] for s in selections]
-    return torch.stack([F.pad(s, (0, max(widths) - w)) for s, w in zip(selections, widths)]), widths
+    return joined([s[None] for s in selections]), [s.shape[-1] for s in selections]
 
 
 def joined(parts: list[torch.Tensor]) -> torch.Tensor:
