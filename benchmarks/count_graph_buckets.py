@@ -116,6 +116,11 @@ def replay_nothing(graphs, shape, packed, names):
     return torch.zeros(shape.checks, 3 + shape.check_drafts, dtype=torch.long), scores
 
 
+def note_refresh(graphs, shape, packed, names):
+    """`Graphs.run` of the recorded selection refresh: notes the bucket "recorded", runs nothing."""
+    graphs.steps[shape] = None
+
+
 BLOCK_SIZE = 64          # the KV block size of the bench rows
 CONTEXT_CAPACITY = 8192  # positions a block table holds: the embedded model's context length
 KV_HEADS = 3             # the embedded model's (the paged kernel's chunks follow its CTAs)
@@ -138,6 +143,7 @@ def main() -> None:
                                  max_position_embeddings=CONTEXT_CAPACITY, eos_token_id=255)).save_pretrained(path)
     async_loop.pillar_attn.top_positions = first_positions
     cuda_graphs.StepGraphs.run = replay_nothing
+    cuda_graphs.Graphs.run = note_refresh
     llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
               runner_class=BucketCounter, async_verify=policy == "balanced", refresh_every=refresh_every)
     paged_kernel.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it

@@ -149,8 +149,7 @@ class Engine:
     """Runs a batch of requests to completion on one model and one KV pool."""
 
     def __init__(self, model: CausalLM, spec: SpecConfig, cache: KVCache, eos_token_ids: set[int],
-                 decode_tail: Callable[[list[int]], str] | None = None,
-                 cuda_graphs: bool = False,
+                 decode_tail: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
                  runner_class: type[ModelRunner] = ModelRunner):
         self.model, self.spec, self.cache = model, spec, cache
         self.eos, self.decode_tail = eos_token_ids, decode_tail
@@ -214,11 +213,10 @@ class Engine:
         self.stats.queue_seconds = self.runner.queue_seconds
         self.stats.offloads, self.stats.restores = (self.scheduler.offload_events,
                                                     self.scheduler.restore_events)
-        graphs = self.runner.graphs
-        if graphs is not None:
-            self.stats.graphs_recorded = len(graphs.steps)
-            self.stats.graph_record_seconds = graphs.record_seconds
-            self.stats.graph_record_compile_seconds = graphs.record_compile_seconds
+        tables = self.runner.graph_tables()      # the steps' graphs and the refresh's
+        self.stats.graphs_recorded = sum(len(graphs.steps) for graphs in tables)
+        self.stats.graph_record_seconds = sum(graphs.record_seconds for graphs in tables)
+        self.stats.graph_record_compile_seconds = sum(g.record_compile_seconds for g in tables)
         return self.stats
 
     def _record_step(self, step: int, works: list[Work], scheduled: float) -> None:
@@ -323,9 +321,14 @@ class Engine:
             works = result.verify_works
             fresh = [(i, seq) for i, seq in refresh if works[i].reselects]
             kept = [(i, seq) for i, seq in refresh if not works[i].reselects]
-            self._set_selections(result, fresh + kept, *self._next_selections(result, fresh, kept))
+            if self.runner.refresh is not None and self.observers.on_selection is None:
+                self.runner.refresh.run([seq for _, seq in fresh + kept],   # the recorded refresh
+                                        *self._scored_selections(result, fresh),
+                                        *self._accepted_spans(result, fresh + kept))
+            else:
+                self._set_selections(result, fresh, kept)
             if spec.method == "pillar-lookup":
-                self.runner.set_context_tokens(seqs)
+                self.runner.committed.send(seqs)
         elif spec.method == "streaming":
             chosen, widths = pillar_attn.stacked(
                 [pillar_attn.select_streaming(seq.num_verified, spec.budget(seq.num_verified),
@@ -338,57 +341,59 @@ class Engine:
                 seq.ngram_drafts = ngram.propose(seq.tokens, self.scheduler.draft_limit(seq),
                                                  spec.ngram_max, spec.ngram_min)
 
-    def _next_selections(self, result: StepResult, fresh: list[tuple[int, Sequence]],
-                         kept: list[tuple[int, Sequence]]
-                         ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-        """The next selections in one batch, positions [B, L, n_kv, N] (request b's first
-        widths[b]): new ones from the scores of the verifications (and last prefill chunks) of
-        `fresh` (`Work.reselects`), then those of `kept` as they stand (their checks scored none);
-        the widths; the scores an observer sees [Ls, F, n_kv, Lmax] (None without one)."""
-        parts, widths, observed = [], [], None
-        if fresh:
-            spec, index = self.spec, [i for i, _ in fresh]
-            context = [seq.num_verified for _, seq in fresh]
-            chosen, widths = pillar_attn.top_positions(result.scores, context,
-                                                       [spec.budget(c) for c in context], index)
-            parts.append(pillar_attn.for_every_layer(chosen, spec.score_every,
-                                                     self.model.config.num_layers))
-            if self.observers.on_selection is not None:
-                observed = result.scores[:, to_device(index, torch.long, self.cache.device)]
+    def _scored_selections(self, result: StepResult, fresh: list[tuple[int, Sequence]]
+                           ) -> tuple[torch.Tensor | None, list[int]]:
+        """New selections [F, L, n_kv, N] (request b's first widths[b]) from the scores of the
+        verifications (and last prefill chunks) of `fresh` (`Work.reselects`), and the widths."""
+        if not fresh:
+            return None, []
+        spec, context = self.spec, [seq.num_verified for _, seq in fresh]
+        chosen, widths = pillar_attn.top_positions(result.scores, context,
+                                                   [spec.budget(c) for c in context],
+                                                   [i for i, _ in fresh])
+        return (pillar_attn.for_every_layer(chosen, spec.score_every, self.model.config.num_layers),
+                widths)
+
+    def _accepted_spans(self, result: StepResult, refresh: list[tuple[int, Sequence]]
+                        ) -> tuple[list[int], list[int]]:
+        """The positions each verification just accepted (its pending token's and its accepted
+        drafts'), request b's first[b] .. first[b] + count[b] - 1 -> (first, count)."""
+        works = [(result.verify_works[i], seq) for i, seq in refresh]
+        spans = [(w.start, seq.num_verified - w.start) if w.kind == "verify" else (0, 0)
+                 for w, seq in works]                    # (a last prefill chunk accepted none)
+        return [first for first, _ in spans], [count for _, count in spans]
+
+    def _set_selections(self, result: StepResult, fresh: list[tuple[int, Sequence]],
+                        kept: list[tuple[int, Sequence]]) -> None:
+        """Hand the runner the next selections in rank order (lookups displace the last ones):
+        those of `fresh` (`_scored_selections`), then those of `kept` as they stand (their checks
+        scored none), with the positions each verification just accepted ranked first when
+        `keep_accepted` (`pillar_attn.keep_first`)."""
+        refresh, (chosen, widths) = fresh + kept, self._scored_selections(result, fresh)
+        parts = [] if chosen is None else [chosen]                     # [B, L, n_kv, N] each
         if kept:
             chosen, kept_widths = self.runner.kept_selections([seq for _, seq in kept])
             parts, widths = parts + [chosen], widths + kept_widths
-        return pillar_attn.joined(parts), widths, observed
-
-    def _set_selections(self, result: StepResult, refresh: list[tuple[int, Sequence]],
-                        chosen: torch.Tensor, widths: list[int],
-                        scores: torch.Tensor | None) -> None:
-        """Hand the runner the selections chosen [B, L, n_kv, N] (request b's first widths[b]) in
-        rank order (lookups displace the last ones), with the positions each verification just
-        accepted (its pending token's and its accepted drafts') ranked first when `keep_accepted`
-        (`pillar_attn.keep_first`)."""
-        seqs = [seq for _, seq in refresh]
+        chosen, seqs = pillar_attn.joined(parts), [seq for _, seq in refresh]
         if self.spec.keep_accepted:
-            first, count = [], []   # accepted by request b: first[b] .. first[b] + count[b] - 1
-            for i, seq in refresh:
-                work = result.verify_works[i]
-                verified = work.kind == "verify"          # (a last prefill chunk accepted none)
-                first.append(work.start if verified else 0)
-                count.append(seq.num_verified - work.start if verified else 0)
+            first, count = self._accepted_spans(result, refresh)
             if max(count):
                 chosen = pillar_attn.keep_spans_first(chosen, widths, first, count, self.max_len)
         self.runner.set_selections(seqs, chosen, widths)
-        self._observe_selections(seqs, chosen, widths, scores)
+        scored = [i for i, _ in fresh]
+        self._observe_selections(seqs, chosen, widths, result.scores if scored else None, scored)
 
     def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
-                            scores: torch.Tensor | None = None) -> None:
-        """Hand each refreshed selection [L, n_kv, width] to `Observers.on_selection` (scores
-        [Ls, F, n_kv, Lmax] of the first F requests, cut to the request's context, a layer that
-        scores none given those of the scored layer before it)."""
+                            scores: torch.Tensor | None = None, scored: list[int] = ()) -> None:
+        """Hand each refreshed selection [L, n_kv, width] to `Observers.on_selection`, with the
+        first F requests' scores: rows `scored` (F) of scores [Ls, Bs, n_kv, Lmax], cut to the
+        request's context, a layer that scores none given those of the scored layer before it."""
         if self.observers.on_selection is None:
             return
         if scores is not None:
-            scores = pillar_attn.for_every_layer(scores, self.spec.score_every, chosen.shape[1], 0)
+            scores = pillar_attn.for_every_layer(
+                scores[:, to_device(scored, torch.long, self.cache.device)], self.spec.score_every,
+                chosen.shape[1], 0)
         for b, (seq, width) in enumerate(zip(seqs, widths)):
             seq_scores = None if scores is None or b >= scores.shape[1] else \
                 scores[:, b, :, :seq.num_verified]

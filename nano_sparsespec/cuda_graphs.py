@@ -17,10 +17,10 @@ Owns
     runner pads its lists to the bucket;
   * `StaticStep`: one bucket's static copy of the step's lists and (on CUDA) the graph recorded
     over them;
-  * `StepGraphs.run(shape, packed, names)`: what the runner calls instead of its eager device step
-    — copy in, replay (or, on a CPU, run the padded step eagerly: the same shapes and padding, so
-    the tests check the padding rules); `forget()` drops the graphs when a buffer they read is
-    reallocated.
+  * `Graphs.run(shape, packed, names)`: what the runner calls instead of its eager device step
+    (and refresh_graphs.py instead of the eager selection refresh) — copy in, replay (or, on a
+    CPU, run the padded step eagerly: the same shapes and padding, so the tests check the padding
+    rules); `forget()` drops the graphs when a buffer they read is reallocated.
 
 A step's prefill chunks are a static step of their own, bucketed as one run of chunks.
 Must not change what any real token computes: padding only adds rows and masked columns.
@@ -99,7 +99,7 @@ class StaticStep:
 
     The inputs are a fixed copy of the step's packed lists, viewed by name."""
 
-    def __init__(self, shape, packed: Packed, names: list[str], graphs: "StepGraphs"):
+    def __init__(self, shape, packed: Packed, names: list[str], graphs: "Graphs"):
         self.shape, self.graphs = shape, graphs
         self.layout = _layout(packed, names)             # ((name, shape), ...) of the lists
         self.inputs = torch.zeros(packed.size(names), dtype=torch.long,
@@ -112,7 +112,7 @@ class StaticStep:
     def run(self, packed: Packed, names: list[str]):
         """The step's outputs: copy its lists in (one device copy), then replay the graph.
 
-        The graph is recorded the first time. On a CPU, or with `StepGraphs.record` off, it runs
+        The graph is recorded the first time. On a CPU, or with `Graphs.record` off, it runs
         `compute` eagerly on the same padded inputs, after the same warm-up run a recording makes
         first, so that the CPU tests check what a recording relies on."""
         layout = _layout(packed, names)
@@ -136,7 +136,7 @@ class StaticStep:
 
         Library handles, workspaces and compiled kernels are then created outside the capture. What
         it writes (K/V, drafts) the real run writes again; the state a step reads and rewrites
-        (`StepGraphs.state`) is put back, so that the real run reads what this one read."""
+        (`Graphs.state`) is put back, so that the real run reads what this one read."""
         saved = [t.clone() for t in self.graphs.state]
         self._compute()
         for t, before in zip(self.graphs.state, saved):
@@ -197,28 +197,17 @@ def _layout(packed: Packed, names: list[str]) -> tuple:
     return tuple((name, packed.shapes[name]) for name in names)
 
 
-class StepGraphs:
-    """One `StaticStep` per bucket met so far.
+class Graphs:
+    """One `StaticStep` per bucket met so far, recorded into one memory pool (they replay one at
+    a time, so they share it).
 
-    `compute(shape, lists) -> outputs` is the runner's device step (it builds every tensor of the
-    step from the named lists and runs it); `block_size` the KV pool's; `state` the tensors a step
-    may read and then rewrite (the runner's draft tokens: a plain step that runs ahead reads the
-    token in flight and writes its own in the same place); `rows` the runner's request rows;
-    `speculates`: whether the engine's checks verify drafts (every method but plain decoding)."""
+    `compute(shape, lists) -> outputs` is the device work recorded (it builds every tensor it
+    needs from the named lists); `state` the tensors it may read and then rewrite (put back after
+    the warm-up run)."""
 
-    def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
-                 stride: int = 1, budget: Callable[[int], int] | None = None,
-                 context_step: int = 256, width_step: int = 32, speculates: bool = True,
-                 lookups: int = 0):
-        self.compute, self.state, self.rows, self.stride = compute, state, rows, stride
-        self.lookups = lookups               # draft-buffer columns between selection and window
-        self.speculates = speculates
-        self.block_size, self.budget = block_size, budget
-        # dense context: whole blocks
-        self.context_step = math.lcm(context_step, block_size)
-        self.width_step = width_step
-        self.steps: dict = {}                # bucket (a rounded step shape) -> its StaticStep
-        self.served: dict = {}               # rounded shape -> the recorded bucket that covers it
+    def __init__(self, compute: Callable, state: list[torch.Tensor]):
+        self.compute, self.state = compute, state
+        self.steps: dict = {}                # bucket -> its StaticStep
         self._pool = None
         self.record_seconds = 0.0            # wall time spent recording graphs (once, at start-up)
         self.record_compile_seconds = 0.0    # ... of which torch.compile compiled for new shapes
@@ -226,6 +215,56 @@ class StepGraphs:
         # False: padded steps run eagerly, as on a CPU (the same kernels a replay runs, launched
         # from Python, so that hooks see each step: tools.parity)
         self.record = True
+
+    def memory_pool(self):
+        """The graphs' memory pool (taken by the first recording)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def run(self, shape, packed: Packed, names: list[str]):
+        """The outputs of `compute(shape, lists)` for lists padded to `shape` (a bucket).
+
+        `names` are the lists the work is built from (a leading part of `packed`). The outputs are
+        valid until the next replay."""
+        step = self.steps.get(shape)
+        if step is None:
+            if self.on_record is not None:
+                self.on_record(shape)
+            step = self.steps[shape] = StaticStep(shape, packed, names, self)
+        return step.run(packed, names)
+
+    def forget(self) -> None:
+        """Drop every recorded graph (a buffer they read was reallocated); buckets record anew."""
+        if self.steps and torch.cuda.is_available():
+            torch.cuda.synchronize()         # no replay in flight reads what is dropped
+        self.steps.clear()
+        # a pool that no graph holds is released: the next graphs take a new one
+        self._pool = None
+
+
+class StepGraphs(Graphs):
+    """The decode steps' graphs: `Graphs` of the runner's device step, and its buckets.
+
+    `compute` is the runner's device step (it builds every tensor of the step from the named
+    lists and runs it); `block_size` the KV pool's; `state` the tensors a step may read and then
+    rewrite (the runner's draft tokens: a plain step that runs ahead reads the token in flight and
+    writes its own in the same place); `rows` the runner's request rows; `speculates`: whether the
+    engine's checks verify drafts (every method but plain decoding)."""
+
+    def __init__(self, compute: Callable, block_size: int, state: list[torch.Tensor], rows: int,
+                 stride: int = 1, budget: Callable[[int], int] | None = None,
+                 context_step: int = 256, width_step: int = 32, speculates: bool = True,
+                 lookups: int = 0):
+        super().__init__(compute, state)
+        self.rows, self.stride = rows, stride
+        self.lookups = lookups               # draft-buffer columns between selection and window
+        self.speculates = speculates
+        self.block_size, self.budget = block_size, budget
+        # dense context: whole blocks
+        self.context_step = math.lcm(context_step, block_size)
+        self.width_step = width_step
+        self.served: dict = {}               # rounded shape -> the recorded bucket that covers it
 
     def bucket(self, shape, growth: float = 1.0):
         """The bucket a step is padded to: its own (`rounded`), or a recorded one that covers it
@@ -313,29 +352,6 @@ class StepGraphs:
         """The context length a bucket serves (dense or lookup context, whichever is longer)."""
         return max(bucket.dense_blocks * self.block_size, bucket.lookup_context)
 
-    def memory_pool(self):
-        """One memory pool for all these graphs: steps replay one at a time, so they share it."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return self._pool
-
-    def run(self, shape, packed: Packed, names: list[str]):
-        """The outputs of `compute(shape, lists)` for a step's lists padded to `shape` (a bucket).
-
-        `names` are the lists the step is built from (a leading part of `packed`). The outputs are
-        valid until the next replay."""
-        step = self.steps.get(shape)
-        if step is None:
-            if self.on_record is not None:
-                self.on_record(shape)
-            step = self.steps[shape] = StaticStep(shape, packed, names, self)
-        return step.run(packed, names)
-
     def forget(self) -> None:
-        """Drop every recorded graph (a buffer they read was reallocated); buckets record anew."""
-        if self.steps and torch.cuda.is_available():
-            torch.cuda.synchronize()         # no replay in flight reads what is dropped
-        self.steps.clear()
+        super().forget()
         self.served.clear()
-        # a pool that no graph holds is released: the next graphs take a new one
-        self._pool = None

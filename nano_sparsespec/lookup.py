@@ -8,17 +8,58 @@ draft's input token alone, so at every draft step the latest few such positions 
 lowest-ranked critical positions: the positions a draft attends to change, their number (the
 budget) does not.
 
-Owns `lookup_positions` (the positions a draft's token finds) and `merge_lookup` (the merged
-list, as the drafts see it); which critical positions stay beside them is `pillar_attn.kept_beside`,
-shared with `keep_first`; the engine's drafts find theirs through `attention.lookup_draft_columns`.
+Owns `lookup_positions` (the positions a draft's token finds), `merge_lookup` (the merged
+list, as the drafts see it) and `CommittedTokens` (what the lookups read on the device); which
+critical positions stay beside them is `pillar_attn.kept_beside`, shared with `keep_first`; the
+engine's drafts find theirs through `attention.lookup_draft_columns`.
 Must not know about scheduling or the draft buffers' layout (runner.py copies the K/V).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+from .device import Packed
+
 from .pillar_attn import merge_ranked
+
+
+class CommittedTokens:
+    """Each request row's committed tokens mirrored on the device, `tokens` [rows + 1, width]
+    (the spare row: a padded step's), sent as they are committed.
+
+    `widen(tensor, width)`: the tensor, or a copy at least `width` wide (the runner's: it drops
+    the recorded graphs that read the old one)."""
+
+    def __init__(self, rows: int, width: int, device, widen: Callable):
+        self.tokens = torch.zeros(rows + 1, width, dtype=torch.long, device=device)
+        self.sent = [(-1, 0)] * rows                       # per row: (seq_id, tokens sent)
+        self.widen, self.device = widen, device
+
+    def reserve(self, width: int) -> None:
+        """Room for `width` positions in every row."""
+        self.tokens = self.widen(self.tokens, width)
+
+    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
+    def send(self, seqs: list) -> None:
+        """Mirror the committed tokens of requests `seqs` not sent yet into their rows, in one
+        copy."""
+        rows, columns, tokens = [], [], []
+        for seq in seqs:
+            owner, sent = self.sent[seq.row]
+            sent = sent if owner == seq.seq_id else 0
+            n = len(seq.tokens)
+            rows += [seq.row] * (n - sent)
+            columns += range(sent, n)
+            tokens += seq.tokens[sent:n]
+            self.sent[seq.row] = (seq.seq_id, n)
+        if not tokens:
+            return
+        self.reserve(max(columns) + 1)
+        new = Packed({"rows": rows, "columns": columns, "tokens": tokens}, self.device).views()
+        self.tokens[new["rows"], new["columns"]] = new["tokens"]
 
 
 def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context_len: torch.Tensor,

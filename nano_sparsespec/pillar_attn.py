@@ -208,10 +208,17 @@ def keep_spans_first(selection: torch.Tensor, selection_len: list[int], first: l
     lists (one upload): selection [B, L, n_kv, N] -> [B, L, n_kv, N]."""
     spans = Packed({"first": first, "count": count, "width": selection_len},
                    selection.device).views()
-    j = torch.arange(max(count), device=selection.device)                             # [M]
-    valid = j < spans["count"][:, None]                                                # [B, M]
-    keep = torch.where(valid, spans["first"][:, None] + j, 0)
-    return keep_first(selection, spans["width"], keep, valid, positions)
+    return spans_kept_first(selection, spans["width"], spans["first"], spans["count"],
+                            max(count), positions)
+
+
+def spans_kept_first(selection: torch.Tensor, selection_len: torch.Tensor, first: torch.Tensor,
+                     count: torch.Tensor, longest: int, positions: int) -> torch.Tensor:
+    """`keep_spans_first` from device tensors [B] (counts at most `longest`)."""
+    j = torch.arange(longest, device=selection.device)                               # [M]
+    valid = j < count[:, None]                                                         # [B, M]
+    keep = torch.where(valid, first[:, None] + j, 0)
+    return keep_first(selection, selection_len, keep, valid, positions)
 
 
 # what `top_positions` and `keep_first` call: the eager functions, or the fast path's compiled ones

@@ -25,20 +25,21 @@ import torch.nn.functional as F
 from . import attention, verifier
 from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
-from .cuda_graphs import DRAFT_WIDTH_PADDING, StepGraphs, round_up
+from .cuda_graphs import DRAFT_WIDTH_PADDING, Graphs, StepGraphs, round_up
 from .device import Packed, to_device
 from .flex_drafts import DRAFT_BLOCK
 from .kv_cache import KVCache
+from .lookup import CommittedTokens
 from .model import CausalLM
 from .scheduler import Sequence, Work
 from .readout import Readout
+from .refresh_graphs import SelectionRefresh
 from .step_lists import StepLists, StepPlan, StepShape
 from .step_result import StepResult, joined_results
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig,
-                 cuda_graphs: bool = False):
+    def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig, cuda_graphs=False):
         self.model, self.cache, self.spec = model, cache, spec
         cfg, self.device = model.config, cache.device
         self.num_layers, self.n_kv = cfg.num_layers, cfg.num_kv_heads
@@ -66,8 +67,7 @@ class ModelRunner:
         self.block_tables = torch.full((rows + 1, max_blocks), cache.scratch_block, **long)
         # pillar-lookup: each row's committed tokens mirrored on the device, for drafts' lookups
         lookup_width = cfg.max_position_embeddings if spec.method == "pillar-lookup" else 0
-        self.context_tokens = torch.zeros(rows + 1, lookup_width, **long)     # [rows + 1, cap]
-        self.tokens_sent = [(-1, 0)] * rows                           # (seq_id, tokens sent)
+        self.committed = CommittedTokens(rows, lookup_width, self.device, self._widen)
         # columns a selection may take; with graphs, the longest context's budget from the start
         self.selection_room = 0
         if cuda_graphs and spec.method in ("pillar", "pillar-lookup", "streaming"):
@@ -80,6 +80,8 @@ class ModelRunner:
         self.keeps_selection = bool(self.lookups) or spec.refresh_every > 1
         width = self.selection_room if self.keeps_selection else 0  # [rows + 1, L, n_kv, width]
         self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
+        # with graphs, kept selections' refresh is recorded too (refresh_graphs.py)
+        self.refresh = SelectionRefresh(self) if cuda_graphs and self.keeps_selection else None
         # Draft buffers, per row: K/V of its critical positions, its lookups, then its drafts'
         # (`selection_room` + `lookups` + k columns); made by the first selection or draft step.
         self.draft_k: torch.Tensor | None = None                       # [L, rows + 1, n_kv, C, D]
@@ -95,9 +97,13 @@ class ModelRunner:
             return buffer
         grown = buffer.new_zeros(*buffer.shape[:-1], max(width, 2 * buffer.shape[-1]))
         grown[..., :buffer.shape[-1]] = buffer
-        if self.graphs is not None:
-            self.graphs.forget()
+        for graphs in self.graph_tables():
+            graphs.forget()
         return grown
+
+    def graph_tables(self) -> list[Graphs]:
+        """The recorded steps' graphs and the refresh's (none without CUDA graphs)."""
+        return [g for g in (self.graphs, self.refresh and self.refresh.graphs) if g is not None]
 
     def _widen_draft_buffers(self, selection_width: int) -> None:
         """Make the draft buffers wide enough for `selection_width` positions (as `_widen`)."""
@@ -117,15 +123,15 @@ class ModelRunner:
         self.draft_k, self.draft_v = (self.cache.k.new_zeros(shape) for _ in range(2))
         if had:
             self.draft_k[..., :had, :], self.draft_v[..., :had, :] = old
-            if self.graphs is not None:
-                self.graphs.forget()
+            for graphs in self.graph_tables():
+                graphs.forget()
 
     # --- critical positions ------------------------------------------------------------------
     def kept_selections(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         """The selections `set_selections` last stored for `seqs`, as it takes them: positions
         [B, L, n_kv, n] (request b's first widths[b]) and the widths."""
-        widths = [self.selection_len[s.row] for s in seqs]
-        return self.selection[self._dev([s.row for s in seqs]), :, :, :max(widths)], widths
+        widths, rows = [self.selection_len[s.row] for s in seqs], [s.row for s in seqs]
+        return self.selection[to_device(rows, torch.long, self.device), ..., :max(widths)], widths
 
     @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
     def set_selections(self, seqs: list[Sequence], positions: torch.Tensor,
@@ -133,57 +139,54 @@ class ModelRunner:
         """Store each request's critical positions, positions[b, :, :, :widths[b]] of
         [B, L, n_kv, n] (`pillar_attn.top_positions`); copy their K/V to its drafts'."""
         n = positions.shape[-1]
-        # room for the longest context's budget: growing budgets do not widen again
-        cap = self.model.config.max_position_embeddings
-        longest = max(min(cap, s.final_length) for s in seqs)
-        columns = max(n, self.spec.budget(longest))
-        self.selection_room = max(self.selection_room, columns if self.graphs is None else
-                                  round_up(columns, self.graphs.width_step))
-        ahead = [b for b, s in enumerate(seqs) if s.num_drafts]   # drafted ahead of this
-        window = [widths[b] + self.lookups for b in ahead]
-        lists = Packed({"rows": [s.row for s in seqs], "ahead": ahead, "window": window,
-                        "pending": [seqs[b].num_verified for b in ahead]}, self.device).views()
-        rows = lists["rows"]                                                             # [B]
-        if self.keeps_selection:
-            self.selection = self._widen(self.selection, self.selection_room)
-            self.selection[rows, :, :, :n] = positions                      # [B, L, n_kv, n]
+        self.make_selection_room(seqs, n)
         for seq, width in zip(seqs, widths):
             self.selection_len[seq.row] = width
+        lists = Packed(self.refresh_lists(seqs, widths), self.device).views()
+        ahead = [width + self.lookups + 1 for s, width in zip(seqs, widths) if s.num_drafts]
+        self.store_selections(lists, positions, max([n] + ahead))
+
+    def make_selection_room(self, seqs: list[Sequence], n: int) -> None:
+        """Room in the selections and draft buffers for n columns and the budget of the longest
+        context `seqs` may reach (growing budgets then do not widen again)."""
+        cap = self.model.config.max_position_embeddings
+        columns = max(n, self.spec.budget(max(min(cap, s.final_length) for s in seqs)))
+        self.selection_room = max(self.selection_room, columns if self.graphs is None else
+                                  round_up(columns, self.graphs.width_step))
+        if self.keeps_selection:
+            self.selection = self._widen(self.selection, self.selection_room)
         self._widen_draft_buffers(self.selection_room)
+
+    def refresh_lists(self, seqs: list[Sequence], widths: list[int]) -> dict[str, list[int]]:
+        """`store_selections`' lists: each request's row; its window's first column if it drafted
+        ahead of this refresh (else -1), where its pending position's K/V goes; that position."""
+        return {"rows": [s.row for s in seqs],
+                "window": [w + self.lookups if s.num_drafts else -1 for s, w in zip(seqs, widths)],
+                "pending": [s.num_verified for s in seqs]}
+
+    def store_selections(self, lists: dict[str, torch.Tensor], positions: torch.Tensor,
+                         copied: int) -> None:
+        """Store positions [B, L, n_kv, n] as the selections of rows lists["rows"] [B] and copy
+        their K/V into the first `copied` columns of those rows of the draft buffers, a draft
+        ahead's (its pending position's) at column lists["window"] [B]."""
+        rows, n = lists["rows"], positions.shape[-1]
+        if self.keeps_selection:
+            self.selection[rows, :, :, :n] = positions
         # past a request's width the copies are padding (unread: its lookups and drafts write there)
-        copied = max([n] + [w + 1 for w in window])
-        positions = F.pad(positions, (0, copied - n))              # [B, L, n_kv, copied], a copy
-        if ahead:   # a draft ahead's K/V (the pending position's): the new window's first column
-            positions[lists["ahead"], :, :, lists["window"]] = lists["pending"][:, None, None]
+        columns = torch.arange(copied, device=self.device)                          # [copied]
+        ahead = (columns == lists["window"][:, None])[:, None, None, :]     # [B, 1, 1, copied]
+        positions = torch.where(ahead, lists["pending"][:, None, None, None],
+                                F.pad(positions, (0, copied - n)))     # [B, L, n_kv, copied]
         # the device's block tables cover every position read here: a selection's (verified) and
         # a draft ahead's came in the launches of the steps that wrote them, all queued before this
         self._fill_draft_buffers(self.block_tables[rows], positions, rows,
-                                 torch.arange(copied, device=self.device).expand(len(seqs), -1))
+                                 columns.expand(rows.shape[0], -1))
 
     def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
                             rows: torch.Tensor, columns: torch.Tensor) -> None:
         """`attention.fill_draft_buffers` into this runner's draft buffers."""
         attention._kernels["fill"](self.cache.k, self.cache.v, self.draft_k, self.draft_v,
                                    block_table, self.cache.block_size, positions, rows, columns)
-
-    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
-    def set_context_tokens(self, seqs: list[Sequence]) -> None:
-        """Mirror the committed tokens of `seqs` not sent yet into their rows of `context_tokens`,
-        in one copy."""
-        rows, columns, tokens = [], [], []
-        for seq in seqs:
-            owner, sent = self.tokens_sent[seq.row]
-            sent = sent if owner == seq.seq_id else 0
-            n = len(seq.tokens)
-            rows += [seq.row] * (n - sent)
-            columns += range(sent, n)
-            tokens += seq.tokens[sent:n]
-            self.tokens_sent[seq.row] = (seq.seq_id, n)
-        if not tokens:
-            return
-        self.context_tokens = self._widen(self.context_tokens, max(columns) + 1)
-        new = Packed({"rows": rows, "columns": columns, "tokens": tokens}, self.device).views()
-        self.context_tokens[new["rows"], new["columns"]] = new["tokens"]
 
     # --- the step's shape and lists ----------------------------------------------------------
     def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:
@@ -203,14 +206,11 @@ class ModelRunner:
             return
         fresh = verifier.SamplingTensors.from_params([s.params for s in new],
                                                      [s.seed for s in new], self.device)
-        rows = self._dev([s.row for s in new])
+        rows = to_device([s.row for s in new], torch.long, self.device)
         for name in ("temperature", "top_k", "top_p", "seed", "greedy"):
             getattr(self.sampling, name)[rows] = getattr(fresh, name)
         for s in new:
             self.params_sent[s.row] = s.seq_id
-
-    def _dev(self, data, dtype=torch.long) -> torch.Tensor:
-        return to_device(data, dtype, self.device)
 
     # --- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -254,7 +254,7 @@ class ModelRunner:
         # every column in use came in a change once: the changes (and the dense context) say width
         self._apply_table_changes(upload.view("table_changes") if changes else None,
                                   max([shape.dense_blocks] + [col + 1 for _, col, _ in changes]))
-        self.context_tokens = self._widen(self.context_tokens, shape.lookup_context)
+        self.committed.reserve(shape.lookup_context)
         if plan.sparse:
             self._widen_draft_buffers(self.selection_room)
         queued = time.perf_counter()
@@ -342,13 +342,13 @@ class ModelRunner:
                 | ((column >= first_window) & (column < first_window + window[:, None])))
         if self.spec.method == "pillar-lookup":
             # positions found from the input token replace the lowest-ranked critical ones
-            committed = self.context_tokens[rows, dev["prev_committed"]]
+            committed = self.committed.tokens[rows, dev["prev_committed"]]
             drafted = self.draft_tokens[rows, dev["prev_drafted"] + (shift - 1).clamp(min=0)]
             prev = torch.where((dev["prev_in_context"] != 0) & (shift == 0), committed, drafted)
             # found_at, found_valid: [Bs, M]; seen: [Bs, L, n_kv, N]
             found_at, found_valid, seen = attention._kernels["lookup"](
                 seen, self.selection[:, :, :, :shape.selection_width], rows, n_sel,
-                self.context_tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
+                self.committed.tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
                 dev["sparse_verified"], prev, self.spec.num_lookups,
                 self.model.config.max_position_embeddings)
             self._fill_draft_buffers(self.block_tables[rows], found_at[:, None, None, :], rows,

@@ -270,7 +270,7 @@ class StepLists:
         lists = {"sparse_first_row": c.first_row, "sparse_row": c.row, "sparse_n_sel": c.n_sel,
                  "sparse_window": c.start - c.verified + 1}
         if self.spec.method == "pillar-lookup":
-            # The token before the draft's input: committed (in context_tokens, the pending one
+            # The token before the draft's input: committed (in CommittedTokens, the pending one
             # included) or a draft (draft_tokens index j holds position num_verified + 1 + j).
             prev = c.start - 1
             lists.update(sparse_verified=c.verified, prev_committed=torch.minimum(prev, c.verified),

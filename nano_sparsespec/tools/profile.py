@@ -148,7 +148,7 @@ class StepProfiler:
             self.seqs, chosen.topk(self.budget, dim=-1).indices.sort(dim=-1).values,
             [self.budget] * batch)
         if method == "pillar-lookup":                    # the drafts' token lookups search these
-            self.runner.set_context_tokens(self.seqs)
+            self.runner.committed.send(self.seqs)
         self.bm = byte_model(model, dtype)
 
     def _steps(self, runner: ModelRunner, n_verify: int, verify_tokens: int, steps: int,

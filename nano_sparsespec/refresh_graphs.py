@@ -1,0 +1,79 @@
+"""The selection refresh after verifications, recorded as CUDA graphs: the fast path's
+(`--cuda-graphs`) version of the refresh the engine otherwise runs eagerly.
+
+After its verification, a drafting request's critical positions for the next cycle are its last
+selection, or new ones from the verification's scores, with the positions it just accepted ranked
+first (`pillar_attn.keep_first`); they are stored and their K/V copied into its row of the draft
+buffers (`ModelRunner.store_selections`). Run eagerly that is about twenty small device operations
+and a few uploads a step, each costing the host tens of microseconds on a GPU; recorded, it costs
+one upload, one copy and one replay.
+
+Owns
+  * `RefreshShape`, the bucket: the refreshed requests rounded with `batch_bucket`, the
+    selections' width rounded to the step graphs' `width_step`;
+  * `SelectionRefresh.run`: new selections written in place, the lists padded to the bucket
+    (padding rows: the runner's scratch row, width 0, no span, no draft ahead), then the replay.
+Used where the runner keeps each row's selection (pillar-lookup, or `refresh_every` > 1).
+Must not change what a request's selection or draft buffers hold: the eager refresh
+(`ModelRunner.set_selections`) is the reference the tests compare it with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import pillar_attn
+from .cuda_graphs import Graphs, batch_bucket, round_up
+from .device import Packed
+
+
+@dataclass(frozen=True)
+class RefreshShape:
+    batch: int    # refreshed requests, padding rows included
+    width: int    # columns of each selection re-ranked and stored
+
+
+class SelectionRefresh:
+    """A runner's selection refresh (`ModelRunner` with CUDA graphs) as one graph per
+    `RefreshShape`."""
+
+    def __init__(self, runner):
+        self.runner, self.width_step = runner, runner.graphs.width_step
+        # the spans just accepted are ranked first (`SpecConfig.keep_accepted`), k + 1 at most
+        self.keep_accepted, self.span = runner.spec.keep_accepted, runner.spec.stride + 1
+        self.max_len = runner.model.config.max_position_embeddings    # positions a context holds
+        # A refresh run twice stores what it stores once (`keep_first` ranks a span that is
+        # first already first again), so a recording's warm-up run needs no state put back.
+        self.graphs = Graphs(self._compute, state=[])
+
+    @torch.inference_mode()   # (as `ModelRunner.set_selections`)
+    def run(self, seqs: list, chosen: torch.Tensor | None, widths: list[int], first: list[int],
+            count: list[int]) -> None:
+        """Refresh the selections of `seqs`: the first F take new ones, chosen [F, L, n_kv, n]
+        (request b's first widths[b]; None if F = 0), the rest keep theirs; request b's span
+        first[b] .. first[b] + count[b] - 1 is ranked first (`keep_accepted`)."""
+        r = self.runner
+        r.make_selection_room(seqs, 0 if chosen is None else chosen.shape[-1])
+        for seq, width in zip(seqs, widths):
+            r.selection_len[seq.row] = width
+        all_widths = [r.selection_len[s.row] for s in seqs]
+        shape = RefreshShape(batch_bucket(len(seqs)), round_up(max(all_widths), self.width_step))
+        lists = r.refresh_lists(seqs, all_widths) | {"width": all_widths, "first": first,
+                                                     "count": count}
+        padding = {"rows": r.scratch_row, "window": -1}                       # the rest: 0
+        extra = shape.batch - len(seqs)
+        packed = Packed({name: values + [padding.get(name, 0)] * extra
+                         for name, values in lists.items()}, r.device)
+        if chosen is not None:                       # stored where the refresh reads the kept
+            r.selection[packed.view("rows")[:len(widths)], :, :, :chosen.shape[-1]] = chosen
+        self.graphs.run(shape, packed, list(lists))
+
+    def _compute(self, shape: RefreshShape, lists: dict[str, torch.Tensor]) -> None:
+        """The recorded refresh, from lists [batch] each."""
+        r = self.runner
+        chosen = r.selection[lists["rows"], :, :, :shape.width]           # [batch, L, n_kv, N]
+        if self.keep_accepted:
+            chosen = pillar_attn.spans_kept_first(chosen, lists["width"], lists["first"],
+                                                  lists["count"], self.span, self.max_len)
+        r.store_selections(lists, chosen, round_up(shape.width + r.lookups + 1, 8))
