@@ -149,10 +149,10 @@ class ModelRunner:
     def make_selection_room(self, seqs: list[Sequence], n: int) -> None:
         """Room in the selections and draft buffers for n columns and the budget of the longest
         context `seqs` may reach (growing budgets then do not widen again)."""
-        cap = self.model.config.max_position_embeddings
-        columns = max(n, self.spec.budget(max(min(cap, s.final_length) for s in seqs)))
-        self.selection_room = max(self.selection_room, columns if self.graphs is None else
-                                  round_up(columns, self.graphs.width_step))
+        if self.graphs is None:   # (with graphs it holds the longest context's budget already)
+            cap = self.model.config.max_position_embeddings
+            columns = max(n, self.spec.budget(max(min(cap, s.final_length) for s in seqs)))
+            self.selection_room = max(self.selection_room, columns)
         if self.keeps_selection:
             self.selection = self._widen(self.selection, self.selection_room)
         self._widen_draft_buffers(self.selection_room)
