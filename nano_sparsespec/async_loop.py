@@ -311,8 +311,8 @@ class Engine:
 
     def _refresh_drafting_state(self, result: StepResult,
                                 refresh: list[tuple[int, Sequence]]) -> None:
-        """After a verification: the next cycle's critical positions (pillar, streaming) or n-gram
-        proposal."""
+        """After a verification: the next cycle's critical positions (pillar, streaming; recorded
+        with CUDA graphs where no observer watches them: refresh_graphs.py) or n-gram proposal."""
         if not refresh:
             return
         cfg, spec = self.model.config, self.spec
@@ -322,7 +322,7 @@ class Engine:
             fresh = [(i, seq) for i, seq in refresh if works[i].reselects]
             kept = [(i, seq) for i, seq in refresh if not works[i].reselects]
             if self.runner.refresh is not None and self.observers.on_selection is None:
-                self.runner.refresh.run([seq for _, seq in fresh + kept],   # the recorded refresh
+                self.runner.refresh.run([seq for _, seq in fresh + kept],
                                         *self._scored_selections(result, fresh),
                                         *self._accepted_spans(result, fresh + kept))
             else:
