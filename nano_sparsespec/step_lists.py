@@ -106,6 +106,18 @@ class StepPlan:
         return plan
 
 
+def work_of_row(first_row: torch.Tensor, rows: int) -> torch.Tensor:
+    """The work each of a step's token rows belongs to: first_row [W] (ascending, from 0) -> [T].
+
+    Built from a scatter and a cumulative sum, not `repeat_interleave` or indexing by a tensor,
+    whose CPU kernels start the intra-op thread pool even for a few hundred rows: with a GPU
+    host's many threads that costs tenths of a millisecond a step, more when other work holds the
+    cores (`index_select` and `nonzero` do not)."""
+    starts = torch.zeros(rows, dtype=torch.long)
+    starts.scatter_(0, first_row[1:], 1)                      # 1 where the next work begins
+    return starts.cumsum(0)
+
+
 class StepLists:
     """Writes the index lists of each step. `selection_len[row]`: critical positions the latest
     selection of the request in that row holds (its drafts attend to that many)."""
@@ -218,8 +230,9 @@ class StepLists:
                 first_row += w.num_tokens
             matrix = long_tensor(flat).view(len(plan.works), len(WorkColumns._fields))   # [W, 10]
             plan.work_matrix = matrix
-            plan.columns = (WorkColumns(*matrix.unbind(1)),
-                            WorkColumns(*matrix[matrix[:, -1] == 1].unbind(1)))
+            # (index_select, not a boolean mask: see `work_of_row`)
+            drafts = matrix.index_select(0, matrix[:, -1].nonzero().squeeze(1))           # [Nd, 10]
+            plan.columns = WorkColumns(*matrix.unbind(1)), WorkColumns(*drafts.unbind(1))
         return plan.columns
 
     def _token_lists(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -232,7 +245,8 @@ class StepLists:
         accepted count (`Work.ahead`)."""
         c, _ = self.columns(plan)
         # [T] per token row: its work's columns
-        t = WorkColumns(*plan.work_matrix[torch.repeat_interleave(c.num_tokens)].unbind(1))
+        work = work_of_row(c.first_row, plan.num_tokens)                                  # [T]
+        t = WorkColumns(*plan.work_matrix.index_select(0, work).unbind(1))
         positions = t.start + torch.arange(plan.num_tokens) - t.first_row                # [T]
         feed_from = torch.where(positions > t.verified,
                                 t.row * self.token_columns + positions - t.verified - 1, -1)

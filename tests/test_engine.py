@@ -107,6 +107,19 @@ def test_dense_runs_group_prefill_chunks_by_length():
         (0, 1, 32, 2, True), (1, 1, 15, 1, True))
 
 
+def test_each_token_row_finds_its_work():
+    """`work_of_row`: the work of each token row, as `repeat_interleave` of the works' token counts gives it, for works
+    of one and of many rows in any mix, and a step of one work."""
+    from nano_sparsespec.step_lists import work_of_row
+
+    rng = np.random.default_rng(0)
+    for counts in ([1], [9], [1, 1, 9, 1, 3], list(rng.integers(1, 10, size=200))):
+        counts = torch.tensor(counts)
+        first_row = torch.cumsum(counts, 0) - counts
+        expected = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        assert torch.equal(work_of_row(first_row, int(counts.sum())), expected), counts
+
+
 def test_a_step_s_sampling_flags_are_those_of_all_its_requests():
     """`StepShape.draft_flags`: `SamplingTensors.host_flags` of every drafting request's params, in any order and
     mix of greedy, sampled and filtered requests (a greedy request's top-k is ignored), two requests of each kind."""
