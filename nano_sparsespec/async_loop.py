@@ -366,22 +366,22 @@ class Engine:
     def _set_selections(self, result: StepResult, fresh: list[tuple[int, Sequence]],
                         kept: list[tuple[int, Sequence]]) -> None:
         """Hand the runner the next selections in rank order (lookups displace the last ones):
-        those of `fresh` (`_scored_selections`), then those of `kept` as they stand (their checks
+        those of `fresh` (`_scored_selections`), and those of `kept` as they stand (their checks
         scored none), with the positions each verification just accepted ranked first when
-        `keep_accepted` (`pillar_attn.keep_first`)."""
-        refresh, (chosen, widths) = fresh + kept, self._scored_selections(result, fresh)
-        parts = [] if chosen is None else [chosen]                     # [B, L, n_kv, N] each
-        if kept:
-            chosen, kept_widths = self.runner.kept_selections([seq for _, seq in kept])
-            parts, widths = parts + [chosen], widths + kept_widths
-        chosen, seqs = pillar_attn.joined(parts), [seq for _, seq in refresh]
-        if self.spec.keep_accepted:
-            first, count = self._accepted_spans(result, refresh)
-            if max(count):
+        `keep_accepted` (`pillar_attn.keep_first`; `ModelRunner.keep_selections`)."""
+        seqs = [seq for _, seq in fresh + kept]
+        if fresh:
+            chosen, widths = self._scored_selections(result, fresh)
+            first, count = self._accepted_spans(result, fresh)
+            if self.spec.keep_accepted and max(count):
                 chosen = pillar_attn.keep_spans_first(chosen, widths, first, count, self.max_len)
-        self.runner.set_selections(seqs, chosen, widths)
-        scored = [i for i, _ in fresh]
-        self._observe_selections(seqs, chosen, widths, result.scores if scored else None, scored)
+            self.runner.set_selections(seqs[:len(fresh)], chosen, widths)
+        if kept:
+            self.runner.keep_selections(seqs[len(fresh):], *self._accepted_spans(result, kept))
+        if self.observers.on_selection is not None:        # (with `kept`, all are in the runner)
+            chosen, widths = self.runner.kept_selections(seqs) if kept else (chosen, widths)
+            self._observe_selections(seqs, chosen, widths, result.scores if fresh else None,
+                                     [i for i, _ in fresh])
 
     def _observe_selections(self, seqs: list[Sequence], chosen: torch.Tensor, widths: list[int],
                             scores: torch.Tensor | None = None, scored: list[int] = ()) -> None:

@@ -208,6 +208,28 @@ def fill_draft_buffers(k_cache: torch.Tensor, v_cache: torch.Tensor, draft_k: to
         buffer[layer, row, head, column] = cache[layer, slots, head]      # [B, L, n_kv, n, D]
 
 
+def ring_span_writes(start: torch.Tensor, width: torch.Tensor, first: torch.Tensor,
+                     count: torch.Tensor, pending: torch.Tensor, window: torch.Tensor,
+                     longest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a kept selection's new first-ranked span goes in its draft-buffer row, so that only
+    the span's K/V is copied. A row's selection lies in its columns 0 .. width - 1 as a ring,
+    rank i at column (start + i) mod width: ranking c new positions first (within the budget)
+    drops the c lowest-ranked, whose columns are the c before `start`; the span goes there and
+    `start` moves back by c. A draft ahead's pending position goes to column `window`.
+
+    start, width, first, count, pending: [B]; window: [B], a column the padding writes may
+    take; counts at most `longest` -> start [B], positions [B, longest + 1], columns [B, longest
+    + 1] (the span's, then the pending position's, repeated)."""
+    kept = count.minimum(width)                                    # [B] span positions kept
+    ring = width.clamp(min=1)
+    start = (start - kept) % ring
+    j = torch.arange(longest + 1, device=start.device)                                # [J]
+    in_span = j < kept[:, None]                                                        # [B, J]
+    positions = torch.where(in_span, first[:, None] + j, pending[:, None])
+    columns = torch.where(in_span, (start[:, None] + j) % ring[:, None], window[:, None])
+    return start, positions, columns
+
+
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """table[index] for a 2-D table, each row copied whole: [rows, width], index [...] ->
     [..., width], through `index_select` over the rows' words (`as_words`)."""
@@ -332,24 +354,30 @@ def sparse_attention(q, k, v, valid):
 
 
 def lookup_draft_columns(seen: torch.Tensor, selection: torch.Tensor, rows: torch.Tensor,
-                         selection_len: torch.Tensor, context_tokens: torch.Tensor,
+                         selection_len: torch.Tensor, selection_start: torch.Tensor,
+                         context_tokens: torch.Tensor,
                          tokens: torch.Tensor, verified: torch.Tensor, prev_tokens: torch.Tensor,
                          matches: int, positions: int) -> tuple[torch.Tensor, ...]:
     """The columns of its draft-buffer row a pillar-lookup draft attends to, and the positions its
     input token finds (`lookup.lookup_positions`), whose K/V the runner copies to columns
     selection_len + j: the window's columns, the lookups found, and the critical positions kept
-    beside them (`pillar_attn.kept_beside`: the budget stays).
+    beside them (`pillar_attn.kept_beside`: the budget stays), each at its ring column
+    (`ring_span_writes`).
 
     seen: [Bs, N] bool, the columns of its critical positions and window; selection: [R + 1, L,
     n_kv, S] each buffer row's ranked critical positions (the first selection_len [Bs] of the
-    drafts' rows [Bs]); context_tokens: [R + 1, Lc] (read below verified [Bs]); tokens,
-    prev_tokens: [Bs] as `lookup_positions`; positions: a context's capacity
-    -> found_at, found_valid [Bs, M], seen [Bs, L, n_kv, N] bool."""
+    drafts' rows [Bs], rank 0 at column selection_start [Bs]); context_tokens: [R + 1, Lc] (read
+    below verified [Bs]); tokens, prev_tokens: [Bs] as `lookup_positions`; positions: a
+    context's capacity -> found_at, found_valid [Bs, M], seen [Bs, L, n_kv, N] bool."""
     found_at, found_valid = lookup.lookup_positions(context_tokens[rows], tokens, verified,
                                                     matches, prev_tokens)
     keep = kept_beside(selection[rows], selection_len, found_at, found_valid, positions)
-    N, M = seen.shape[1], found_at.shape[1]
+    N, M, S = seen.shape[1], found_at.shape[1], selection.shape[-1]
     column = torch.arange(N, device=seen.device)                                # [N]
+    ring = column[:S] < selection_len[:, None]                                  # [Bs, S]
+    rank = torch.where(ring, (column[:S] - selection_start[:, None]) % selection_len.clamp(
+        min=1)[:, None], column[:S])                                 # [Bs, S]: column's rank
+    keep = keep.gather(-1, rank[:, None, None, :].expand_as(keep))   # [Bs, L, n_kv, S] by column
     lookup_column = selection_len[:, None] + torch.arange(M, device=seen.device)  # [Bs, M]
     found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)  # [Bs, N]
     beyond = (seen & (column >= selection_len[:, None])) | found                # [Bs, N]

@@ -7,9 +7,9 @@ Owns
     verifies the checks (their rows: readout.py). A padded static step records `_compute` as one
     CUDA graph.
   * the per-request device buffers: draft tokens (and distributions), each row's pending position
-    (where a draft ahead of a verification's result goes), the draft buffers (K/V of critical
-    positions, then drafts' K/V), pillar-lookup's selections and committed tokens, sampling
-    parameters and a mirror of each block table (changes only).
+    (where a draft ahead of a verification's result goes), the draft buffers and selections
+    (stored and kept by its base class, selections.py), pillar-lookup's committed tokens,
+    sampling parameters and a mirror of each block table (changes only).
 Everything `launch` returns stays on the device; `StepResult.fetch` is the step's one host
 synchronisation, so the engine can launch step t before it looks at step t-1.
 
@@ -20,25 +20,24 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from . import attention, verifier
 from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
-from .cuda_graphs import DRAFT_WIDTH_PADDING, Graphs, StepGraphs, round_up
+from .cuda_graphs import Graphs, StepGraphs, round_up
 from .device import Packed, to_device
-from .flex_drafts import DRAFT_BLOCK
 from .kv_cache import KVCache
 from .lookup import CommittedTokens
 from .model import CausalLM
 from .scheduler import Sequence, Work
+from .selections import SelectionStore
 from .readout import Readout
 from .refresh_graphs import SelectionRefresh
 from .step_lists import StepLists, StepPlan, StepShape
 from .step_result import StepResult, joined_results
 
 
-class ModelRunner:
+class ModelRunner(SelectionStore):
     def __init__(self, model: CausalLM, cache: KVCache, spec: SpecConfig, cuda_graphs=False):
         self.model, self.cache, self.spec = model, cache, spec
         cfg, self.device = model.config, cache.device
@@ -80,6 +79,9 @@ class ModelRunner:
         self.keeps_selection = bool(self.lookups) or spec.refresh_every > 1
         width = self.selection_room if self.keeps_selection else 0  # [rows + 1, L, n_kv, width]
         self.selection = torch.zeros(rows + 1, self.num_layers, self.n_kv, width, **long)
+        # the draft-buffer column of each row's top-ranked critical position; its selection lies
+        # there as a ring, so a kept one copies only its new span (`attention.ring_span_writes`)
+        self.selection_start = torch.zeros(rows + 1, **long)                  # [rows + 1]
         # with graphs, kept selections' refresh is recorded too (refresh_graphs.py)
         self.refresh = SelectionRefresh(self) if cuda_graphs and self.keeps_selection else None
         # Draft buffers, per row: K/V of its critical positions, its lookups, then its drafts'
@@ -104,89 +106,6 @@ class ModelRunner:
     def graph_tables(self) -> list[Graphs]:
         """The recorded steps' graphs and the refresh's (none without CUDA graphs)."""
         return [g for g in (self.graphs, self.refresh and self.refresh.graphs) if g is not None]
-
-    def _widen_draft_buffers(self, selection_width: int) -> None:
-        """Make the draft buffers wide enough for `selection_width` positions (as `_widen`)."""
-        # (a draft ahead's window: up to k + 2 positions; a bucket's, up to a fast width)
-        window = round_up(self.spec.stride + 2, 8)
-        if self.graphs is not None:
-            window += DRAFT_WIDTH_PADDING
-        columns = round_up(selection_width + self.lookups + window, 8)
-        if self.graphs is not None:   # whole blocks of the fast path's drafts' kernel
-            columns = round_up(columns, DRAFT_BLOCK)
-        old = (self.draft_k, self.draft_v)
-        had = 0 if old[0] is None else old[0].shape[-2]
-        if columns <= had:
-            return
-        shape = (self.num_layers, self.scratch_row + 1, self.n_kv, max(columns, 2 * had),
-                 self.model.config.head_dim)
-        self.draft_k, self.draft_v = (self.cache.k.new_zeros(shape) for _ in range(2))
-        if had:
-            self.draft_k[..., :had, :], self.draft_v[..., :had, :] = old
-            for graphs in self.graph_tables():
-                graphs.forget()
-
-    # --- critical positions ------------------------------------------------------------------
-    def kept_selections(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
-        """The selections `set_selections` last stored for `seqs`, as it takes them: positions
-        [B, L, n_kv, n] (request b's first widths[b]) and the widths."""
-        widths, rows = [self.selection_len[s.row] for s in seqs], [s.row for s in seqs]
-        return self.selection[to_device(rows, torch.long, self.device), ..., :max(widths)], widths
-
-    @torch.inference_mode()   # (a widened buffer is an inference tensor, as the steps' are)
-    def set_selections(self, seqs: list[Sequence], positions: torch.Tensor,
-                       widths: list[int]) -> None:
-        """Store each request's critical positions, positions[b, :, :, :widths[b]] of
-        [B, L, n_kv, n] (`pillar_attn.top_positions`); copy their K/V to its drafts'."""
-        n = positions.shape[-1]
-        self.make_selection_room(seqs, n)
-        for seq, width in zip(seqs, widths):
-            self.selection_len[seq.row] = width
-        lists = Packed(self.refresh_lists(seqs, widths), self.device).views()
-        ahead = [width + self.lookups + 1 for s, width in zip(seqs, widths) if s.num_drafts]
-        self.store_selections(lists, positions, max([n] + ahead))
-
-    def make_selection_room(self, seqs: list[Sequence], n: int) -> None:
-        """Room in the selections and draft buffers for n columns and the budget of the longest
-        context `seqs` may reach (growing budgets then do not widen again)."""
-        if self.graphs is None:   # (with graphs it holds the longest context's budget already)
-            cap = self.model.config.max_position_embeddings
-            columns = max(n, self.spec.budget(max(min(cap, s.final_length) for s in seqs)))
-            self.selection_room = max(self.selection_room, columns)
-        if self.keeps_selection:
-            self.selection = self._widen(self.selection, self.selection_room)
-        self._widen_draft_buffers(self.selection_room)
-
-    def refresh_lists(self, seqs: list[Sequence], widths: list[int]) -> dict[str, list[int]]:
-        """`store_selections`' lists: each request's row; its window's first column if it drafted
-        ahead of this refresh (else -1), where its pending position's K/V goes; that position."""
-        return {"rows": [s.row for s in seqs],
-                "window": [w + self.lookups if s.num_drafts else -1 for s, w in zip(seqs, widths)],
-                "pending": [s.num_verified for s in seqs]}
-
-    def store_selections(self, lists: dict[str, torch.Tensor], positions: torch.Tensor,
-                         copied: int) -> None:
-        """Store positions [B, L, n_kv, n] as the selections of rows lists["rows"] [B] and copy
-        their K/V into the first `copied` columns of those rows of the draft buffers, a draft
-        ahead's (its pending position's) at column lists["window"] [B]."""
-        rows, n = lists["rows"], positions.shape[-1]
-        if self.keeps_selection:
-            self.selection[rows, :, :, :n] = positions
-        # past a request's width the copies are padding (unread: its lookups and drafts write there)
-        columns = torch.arange(copied, device=self.device)                          # [copied]
-        ahead = (columns == lists["window"][:, None])[:, None, None, :]     # [B, 1, 1, copied]
-        positions = torch.where(ahead, lists["pending"][:, None, None, None],
-                                F.pad(positions, (0, copied - n)))     # [B, L, n_kv, copied]
-        # the device's block tables cover every position read here: a selection's (verified) and
-        # a draft ahead's came in the launches of the steps that wrote them, all queued before this
-        self._fill_draft_buffers(self.block_tables[rows], positions, rows,
-                                 columns.expand(rows.shape[0], -1))
-
-    def _fill_draft_buffers(self, block_table: torch.Tensor, positions: torch.Tensor,
-                            rows: torch.Tensor, columns: torch.Tensor) -> None:
-        """`attention.fill_draft_buffers` into this runner's draft buffers."""
-        attention._kernels["fill"](self.cache.k, self.cache.v, self.draft_k, self.draft_v,
-                                   block_table, self.cache.block_size, positions, rows, columns)
 
     # --- the step's shape and lists ----------------------------------------------------------
     def _apply_table_changes(self, changes: torch.Tensor | None, width: int) -> None:
@@ -348,6 +267,7 @@ class ModelRunner:
             # found_at, found_valid: [Bs, M]; seen: [Bs, L, n_kv, N]
             found_at, found_valid, seen = attention._kernels["lookup"](
                 seen, self.selection[:, :, :, :shape.selection_width], rows, n_sel,
+                self.selection_start[rows],
                 self.committed.tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
                 dev["sparse_verified"], prev, self.spec.num_lookups,
                 self.model.config.max_position_embeddings)

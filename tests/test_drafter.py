@@ -157,14 +157,17 @@ def test_lookup_changes_what_drafts_attend_to(tiny_qwen3, prompts):
     assert counts["pillar"] != counts["pillar-lookup"]
 
 
-@pytest.mark.parametrize("method", ["pillar", "pillar-lookup", "streaming"])
-def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy, monkeypatch, method):
+@pytest.mark.parametrize("method,refresh_every", [("pillar", 1), ("pillar", 3), ("pillar-lookup", 1),
+                                                  ("pillar-lookup", 3), ("streaming", 1)])
+def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy, monkeypatch, method, refresh_every):
     """At every draft step, the columns a draft attends to in its row of the draft buffers hold the pool's K/V of
     exactly its positions: its critical positions (for pillar-lookup `merge_lookup`'s, its lookups in the place of
     the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
     plus its window, in every (layer, KV head). (Its own column is written by the forward that follows.) The window
     expected is the scheduler's: the drafts the request has made since its last verification, this one included.
-    A step of few drafts attends to copies of their rows (`attention.gathered`): its `valid` is then per draft."""
+    A step of few drafts attends to copies of their rows (`attention.gathered`): its `valid` is then per draft. Kept
+    selections (`refresh_every` > 1) copy only each verification's accepted positions, so their columns are checked as
+    a set, as all are."""
     checked, drafting, lookups, selections, gathered = [], [], [], {}, set()
     sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
     set_selections = ModelRunner.set_selections
@@ -186,7 +189,8 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
         batch = sparse_batch(self, shape, dev, *inputs)
         rows, n_sel = (dev[name].tolist() for name in ("sparse_row", "sparse_n_sel"))
         gathered.add(batch.read_row is None)
-        critical = merge_lookup(*lookups) if method == "pillar-lookup" else [selections[row] for row in rows]
+        critical = (merge_lookup(*lookups) if method == "pillar-lookup" else       # kept ones: in rank order there
+                    [self.selection[row] if self.keeps_selection else selections[row] for row in rows])
         columns = torch.arange(batch.valid.shape[-1])
         window = [drafts for _, drafts in drafting]                             # positions num_verified .. own
         assert dev["sparse_window"].tolist() == window
@@ -208,7 +212,8 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     monkeypatch.setattr(StepLists, "_sparse_lists", noted_lists)
     monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
     monkeypatch.setitem(attention._kernels, "lookup", noted_lookup)
-    _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1)
+    _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1,
+                  refresh_every=refresh_every)
     assert [o.token_ids for o in outs] == plain_greedy
     assert checked and all(checked)
     assert gathered == {False, True}      # steps that read the rows in place, steps of few drafts that copy them out

@@ -861,7 +861,7 @@ def test_compiled_kernels_match_eager():
     # head) of a 12-position context over 5 tokens (so lookups find some), 16 columns
     selection = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(4 * 2 * N_KV)]).view(4, 2, N_KV, 6)
     lookup_args = (torch.rand(3, 16, generator=g) < 0.5, selection, torch.tensor([2, 0, 3]), torch.tensor([6, 4, 5]),
-                   torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]), torch.tensor([12, 9, 11]),
+                   torch.tensor([0, 3, 4]), torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]), torch.tensor([12, 9, 11]),
                    torch.tensor([0, 4, 2]), 2, 12)
     eager_lookup = attention.lookup_draft_columns(*lookup_args)
     # the draft buffers' fill: two requests' 3 blocks of 4 positions in a pool of 8 blocks, into rows 3 and 1 of the
