@@ -92,7 +92,7 @@ class SelectionStore:
         rows, n = lists["rows"], positions.shape[-1]
         if self.keeps_selection:
             self.selection[rows, :, :, :n] = positions
-            self.selection_start[rows] = 0
+            self.selection_start.index_fill_(0, rows, 0)
         # past a request's width the copies are padding (unread: its lookups and drafts write there)
         columns = torch.arange(copied, device=self.device)                          # [copied]
         ahead = (columns == lists["window"][:, None])[:, None, None, :]     # [B, 1, 1, copied]

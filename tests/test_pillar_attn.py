@@ -11,7 +11,8 @@ from nano_sparsespec import attention, embedded, kernels, swapped_scores
 from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
-from nano_sparsespec.pillar_attn import attention_logits, pillar_scores, select_pillar, select_streaming
+from nano_sparsespec.pillar_attn import (attention_logits, pillar_scores, select_pillar, select_streaming,
+                                         spans_kept_first)
 from nano_sparsespec.tools.measure import CompiledFrames
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
@@ -1188,3 +1189,30 @@ def test_draft_buffers_receive_the_pools_rows_of_their_positions(dtype, head_dim
     attention.fill_draft_buffers(k_cache, v_cache, expected_k, expected_v, block_table, bs,
                                  shared.expand(-1, L, n_kv, -1), rows, columns)
     assert torch.equal(draft_k, expected_k) and torch.equal(draft_v, expected_v) and draft_k.any()
+
+
+def test_a_kept_selections_ring_holds_it_after_each_span_ranked_first():
+    """A kept selection's draft-buffer row, written only where `ring_span_writes` says (each verification's accepted
+    span, at most `longest` + 1 columns), holds its ranked selection as a ring from `start` after every refresh that
+    ranks a new span first (`spans_kept_first`, as the runner keeps it): spans shorter and longer than the budget,
+    empty ones, a width of one. The pending position goes to the window's column."""
+    g = torch.Generator().manual_seed(5)
+    widths, longest, window = torch.tensor([6, 3, 1, 0]), 4, 9
+    B, W = len(widths), int(widths.max())
+    selection = torch.stack([torch.randperm(20, generator=g)[:W] for _ in widths])          # [B, W], in rank order
+    buffer = torch.full((B, window + 1), -1)
+    buffer[:, :W] = selection                                      # a new selection is copied whole: start 0
+    start, verified = torch.zeros(B, dtype=torch.long), torch.full((B,), 20)
+    for _ in range(12):
+        count = torch.randint(0, longest + 1, (B,), generator=g)
+        first, pending = verified, verified + count
+        selection = spans_kept_first(selection[:, None, None], widths, first, count, longest, 200)[:, 0, 0]
+        start, positions, columns = attention.ring_span_writes(start, widths, first, count, pending,
+                                                               torch.full((B,), window), longest)
+        assert columns.shape == (B, longest + 1)
+        buffer.scatter_(1, columns, positions)
+        for b, width in enumerate(widths.tolist()):
+            ring = (start[b] + torch.arange(width)) % max(width, 1)
+            assert buffer[b, ring].tolist() == selection[b, :width].tolist()
+            assert buffer[b, window] == pending[b]
+        verified = pending + 1
