@@ -34,8 +34,8 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
     out: [T, n_heads, D] (the drafts' rows are written); q: [T, n_heads, D]; k, v: [T, n_kv, D];
     keys, values: [rows, n_kv, C, D] the layer's draft buffers (C a multiple of DRAFT_BLOCK);
     q_index, read_row, write_row, write_column: [Bs] (`attention.SparseBatch`); valid:
-    [R, n_kv, N] the columns each of the first R <= rows rows attends to; counts, ids: the step's
-    `draft_block_lists`, the same in every layer."""
+    [R, n_kv, N] the columns each of the first R <= rows rows attends to, none past its draft's
+    own (write_column); counts, ids: the step's `draft_block_lists`, the same in every layer."""
     from torch.nn.attention.flex_attention import flex_attention
 
     write_draft_kv(k, v, keys, values, q_index, write_row, write_column)
@@ -50,15 +50,18 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
     out[q_index] = attended.reshape(R, H, D)[read_row]
 
 
-def draft_block_lists(read_row, rows: int, N: int, columns: int):
+def draft_block_lists(read_row, last_column, rows: int, columns: int):
     """The blocks each buffer row's drafts visit, the same in every layer of a step (so built once
-    a step, `paged.paged_prepare`): read_row [Bs] the rows drafts read, of `rows`; N the columns
-    they attend to; columns the buffers' width C (a multiple of DRAFT_BLOCK, at least N)
-    -> counts [rows, 1, 1] int32 (a read row's N columns in whole blocks, 0 for the others, which
-    read nothing) and ids [rows, 1, 1, C / DRAFT_BLOCK] int32, the blocks in order (BlockMask's
-    contract: one column per block of the key sequence)."""
+    a step, `paged.paged_prepare`): read_row [Bs] the rows drafts read, of `rows`; last_column
+    [Bs] the last column each draft attends to (its own: none past it); columns the buffers' width
+    C (a multiple of DRAFT_BLOCK) -> counts [rows, 1, 1] int32 (a read row's blocks up to its
+    drafts' last column, 0 for the others, which read nothing) and ids [rows, 1, 1, C /
+    DRAFT_BLOCK] int32, the blocks in order (BlockMask's contract: one column per block of the
+    key sequence). A row whose selection is narrower than the step's widest skips the blocks it
+    does not see."""
     counts = torch.zeros(rows, dtype=torch.int32, device=read_row.device)
-    counts = counts.index_fill_(0, read_row, -(-N // DRAFT_BLOCK)).view(rows, 1, 1)
+    blocks = (last_column // DRAFT_BLOCK + 1).to(torch.int32)                     # [Bs]
+    counts = counts.scatter_reduce_(0, read_row, blocks, "amax").view(rows, 1, 1)
     ids = torch.arange(columns // DRAFT_BLOCK, dtype=torch.int32, device=read_row.device)
     return counts, ids.repeat(rows, 1, 1, 1)
 
