@@ -366,9 +366,10 @@ def lookup_draft_columns(seen: torch.Tensor, selection: torch.Tensor, rows: torc
 
     seen: [Bs, N] bool, the columns of its critical positions and window; selection: [R + 1, L,
     n_kv, S] each buffer row's ranked critical positions (the first selection_len [Bs] of the
-    drafts' rows [Bs], rank 0 at column selection_start [Bs]); context_tokens: [R + 1, Lc] (read
-    below verified [Bs]); tokens, prev_tokens: [Bs] as `lookup_positions`; positions: a
-    context's capacity -> found_at, found_valid [Bs, M], seen [Bs, L, n_kv, N] bool."""
+    drafts' rows [Bs], whose draft-buffer rows hold rank 0 at column selection_start [Bs]);
+    context_tokens: [R + 1, Lc] (read below verified [Bs]); tokens, prev_tokens: [Bs] as
+    `lookup_positions`; positions: a context's capacity -> found_at, found_valid [Bs, M], seen
+    [Bs, L, n_kv, N] bool, by draft-buffer column."""
     found_at, found_valid = lookup.lookup_positions(context_tokens[rows], tokens, verified,
                                                     matches, prev_tokens)
     keep = kept_beside(selection[rows], selection_len, found_at, found_valid, positions)
