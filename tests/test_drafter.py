@@ -157,9 +157,11 @@ def test_lookup_changes_what_drafts_attend_to(tiny_qwen3, prompts):
     assert counts["pillar"] != counts["pillar-lookup"]
 
 
-@pytest.mark.parametrize("method,refresh_every", [("pillar", 1), ("pillar", 3), ("pillar-lookup", 1),
-                                                  ("pillar-lookup", 3), ("streaming", 1)])
-def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy, monkeypatch, method, refresh_every):
+@pytest.mark.parametrize("method,refresh_every,keep_accepted", [
+    ("pillar", 1, True), ("pillar", 3, True), ("pillar-lookup", 1, True), ("pillar-lookup", 3, True),
+    ("pillar-lookup", 3, False), ("streaming", 1, True)])
+def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy, monkeypatch, method, refresh_every,
+                                               keep_accepted):
     """At every draft step, the columns a draft attends to in its row of the draft buffers hold the pool's K/V of
     exactly its positions: its critical positions (for pillar-lookup `merge_lookup`'s, its lookups in the place of
     the lowest-ranked ones), then those written since the last verification; as many as a pillar draft's, its budget
@@ -213,7 +215,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
     monkeypatch.setitem(attention._kernels, "lookup", noted_lookup)
     _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1,
-                  refresh_every=refresh_every)
+                  refresh_every=refresh_every, keep_accepted=keep_accepted)
     assert [o.token_ids for o in outs] == plain_greedy
     assert checked and all(checked)
     assert gathered == {False, True}      # steps that read the rows in place, steps of few drafts that copy them out

@@ -86,7 +86,7 @@ def test_the_paged_fast_path_sends_drafts_read_in_place_to_flex():
         kernels.use_eager_kernels()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's kernel reads the block lists on a GPU alone")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's kernel reads block lists on a GPU alone")
 def test_compiled_drafts_visit_the_blocks_they_see_and_attend_as_the_reference():
     """Compiled on the GPU, the kernel visits only each row's listed blocks (its draft's own column's and those
     before): the drafts attend as sparse_drafts does, and a row listed a block short would not."""

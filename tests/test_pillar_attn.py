@@ -751,11 +751,12 @@ def test_scoring_every_other_layer_is_lossless_and_shares_the_scored_selection(t
     assert any(not torch.equal(chosen[1], chosen[0]) for pairs in own.values() for _, chosen in pairs)
 
 
-@pytest.mark.parametrize("method", ["pillar", "pillar-lookup"])
-def test_verifications_between_reselections_keep_their_selection(tiny_qwen3, prompts, plain_greedy, method):
+@pytest.mark.parametrize("method,keep_accepted", [("pillar", True), ("pillar-lookup", True), ("pillar", False)])
+def test_verifications_between_reselections_keep_their_selection(tiny_qwen3, prompts, plain_greedy, method,
+                                                                  keep_accepted):
     """With `refresh_every=2` verifications re-select in every other period of the phase clock; in the others they
-    compute no scores and keep the selection they had, the positions they just accepted ranked first (keep_accepted):
-    greedy speculation still equals plain greedy decoding."""
+    compute no scores and keep the selection they had, the positions they just accepted ranked first (keep_accepted)
+    or not: greedy speculation still equals plain greedy decoding."""
     from conftest import GREEDY
     from nano_sparsespec import LLM
     seen = {}                              # request -> (scores, selection, positions just committed) per refresh
@@ -764,7 +765,8 @@ def test_verifications_between_reselections_keep_their_selection(tiny_qwen3, pro
         committed = sum(seq.commit_log[-1])
         seen.setdefault(seq.seq_id, []).append((scores, chosen, range(seq.num_verified - committed,
                                                                           seq.num_verified)))
-    llm = LLM(str(tiny_qwen3[0]), method=method, stride=4, min_budget=16, budget_ratio=0.1, refresh_every=2)
+    llm = LLM(str(tiny_qwen3[0]), method=method, stride=4, min_budget=16, budget_ratio=0.1, refresh_every=2,
+              keep_accepted=keep_accepted)
     outs = llm.generate(None, GREEDY, prompt_token_ids=prompts, on_selection=selected)
     assert [o.token_ids for o in outs] == plain_greedy
     kept = 0
@@ -775,7 +777,7 @@ def test_verifications_between_reselections_keep_their_selection(tiny_qwen3, pro
             kept += 1
             assert chosen.shape == before.shape
             for was, now in zip(before.flatten(0, 1).tolist(), chosen.flatten(0, 1).tolist()):
-                assert now == (list(accepted) + [p for p in was if p not in accepted])[:len(was)]
+                assert now == (list(accepted) * keep_accepted + [p for p in was if p not in accepted])[:len(was)]
     assert kept and all(refreshes[0][0] is not None for refreshes in seen.values())
 
 
@@ -859,11 +861,11 @@ def test_compiled_kernels_match_eager():
         return pool, drafts
     eager_stored = stored(attention.store_kv, True)
     # pillar-lookup's draft columns: drafts in buffer rows 2, 0, 3 of 4, each row 6 ranked positions per (layer, KV
-    # head) of a 12-position context over 5 tokens (so lookups find some), 16 columns
+    # head) of a 12-position context over 5 tokens (so lookups find some), their rings from columns 0, 3, 4, 16 columns
     selection = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(4 * 2 * N_KV)]).view(4, 2, N_KV, 6)
     lookup_args = (torch.rand(3, 16, generator=g) < 0.5, selection, torch.tensor([2, 0, 3]), torch.tensor([6, 4, 5]),
-                   torch.tensor([0, 3, 4]), torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]), torch.tensor([12, 9, 11]),
-                   torch.tensor([0, 4, 2]), 2, 12)
+                   torch.tensor([0, 3, 4]), torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]),
+                   torch.tensor([12, 9, 11]), torch.tensor([0, 4, 2]), 2, 12)
     eager_lookup = attention.lookup_draft_columns(*lookup_args)
     # the draft buffers' fill: two requests' 3 blocks of 4 positions in a pool of 8 blocks, into rows 3 and 1 of the
     # buffers [2 layers, 5 rows, N_KV, 8 columns] (the rows a view into a longer list); positions per (layer, KV
