@@ -48,8 +48,8 @@ class SelectionStore:
                 graphs.forget()
 
     def kept_selections(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
-        """The selections `set_selections` last stored for `seqs`, as it takes them: positions
-        [B, L, n_kv, n] (request b's first widths[b]) and the widths."""
+        """The selections last stored or kept for `seqs`, in rank order as `set_selections` takes
+        them: positions [B, L, n_kv, n] (request b's first widths[b]) and the widths."""
         widths, rows = [self.selection_len[s.row] for s in seqs], [s.row for s in seqs]
         return self.selection[to_device(rows, torch.long, self.device), ..., :max(widths)], widths
 
