@@ -107,7 +107,8 @@ class StepPlan:
 
 
 def work_of_row(first_row: torch.Tensor, rows: int) -> torch.Tensor:
-    """The work each of a step's token rows belongs to: first_row [W] (ascending, from 0) -> [T].
+    """The work each of a step's token rows belongs to: first_row [W] (strictly ascending from
+    0: every work has a row) -> [T].
 
     Built from a scatter and a cumulative sum, not `repeat_interleave` or indexing by a tensor,
     whose CPU kernels start the intra-op thread pool even for a few hundred rows: with a GPU

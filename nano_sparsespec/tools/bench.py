@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "FIRST (each window in turn), the kernels that take the most device time "
                         "(--profile-kernels, default 25), the steps' wall time and how busy they "
                         "kept the device; the row's tok/s then holds the profiler's overhead, "
-                        "which lasts past the windows to the row's end (on an H100, 9-21%% "
-                        "slower): read tok/s from a run without windows")
+                        "which lasts past the windows to the row's end: read tok/s from a run "
+                        "without windows")
     p.add_argument("--trace-dir", default=None,
                    help="with --trace-steps: write each window's Chrome trace (host and device "
                         "timelines) there as ROW_stepFIRST.json.gz")
