@@ -15,7 +15,7 @@ Owns
     no overlap.
   * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
     each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
-  * `RunStats`: what one run did, step by step.
+It fills a run's `RunStats` (run_stats.py).
 
 Must not re-implement sampling (verifier.py) or attention (attention.py, pillar_attn.py).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,79 +35,8 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status, Work
+from .run_stats import RunStats, kv_positions_read
 from .step_result import StepResult
-
-
-@dataclass
-class RunStats:
-    """What one `generate` call did, step by step."""
-    seconds: float = 0.0
-    output_tokens: int = 0
-    steps: int = 0
-    tokens_per_step: list[int] = field(default_factory=list)        # through the linear layers
-    kv_positions_per_step: list[int] = field(default_factory=list)  # its attention reads
-    verifications_per_step: list[int] = field(default_factory=list)
-    drafts_per_step: list[int] = field(default_factory=list)
-    # per verification with drafts: accepted drafts, drafts checked, verified context length
-    accepted_counts: list[int] = field(default_factory=list)
-    drafts_offered: list[int] = field(default_factory=list)
-    verify_contexts: list[int] = field(default_factory=list)
-    offloads: int = 0
-    restores: int = 0
-    graphs_recorded: int = 0                  # CUDA graphs recorded (cuda_graphs=True)
-    graph_record_seconds: float = 0.0         # ... and the wall time that took (in `seconds`)
-    graph_record_compile_seconds: float = 0.0  # ... of which torch.compile compiled
-    # the host's share of `seconds`, by phase of the loop: choosing the works, launching their
-    # step (graph recording included; of that, queuing its device work), processing a step's
-    # results (of that, waiting for them, and the new selections and their draft buffers)
-    schedule_seconds: float = 0.0
-    launch_seconds: float = 0.0
-    queue_seconds: float = 0.0
-    process_seconds: float = 0.0
-    result_wait_seconds: float = 0.0
-    selection_seconds: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds else 0.0
-
-    def summary(self, stride: int) -> dict:
-        return {"output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
-                "tokens_per_second": round(self.tokens_per_second, 2), "steps": self.steps,
-                "offloads": self.offloads, "restores": self.restores,
-                **acceptance_summary(self.accepted_counts, self.drafts_offered, stride)}
-
-
-def acceptance_summary(accepted: list[int], offered: list[int], stride: int) -> dict:
-    """Mean accepted drafts per verification, histogram of accepted counts, acceptance rate per
-    draft position; empty when no verification checked a draft (plain decoding)."""
-    if not offered:
-        return {}
-    histogram = [0] * (stride + 1)
-    reached = [0] * stride          # verifications that offered a draft at position j
-    taken = [0] * stride            # ... and accepted it
-    for a, m in zip(accepted, offered):
-        histogram[a] += 1
-        for j in range(m):
-            reached[j] += 1
-            taken[j] += j < a
-    return {"verifications": len(offered),
-            "mean_accepted": round(sum(accepted) / len(offered), 3),
-            "mean_offered": round(sum(offered) / len(offered), 3),
-            "tokens_per_verification": round(1 + sum(accepted) / len(offered), 3),
-            "accepted_histogram": histogram,
-            "acceptance_by_position": [round(t / r, 3) if r else None
-                                       for t, r in zip(taken, reached)]}
-
-
-def kv_positions_read(works: list[Work], selection_len: list[int], method: str) -> int:
-    """KV positions one step reads, summed over requests: a dense work (prefill chunk,
-    verification, plain decode, `full` drafts) reads its context up to its last query token once
-    for all its query tokens; a sparse draft reads its selected positions plus those written
-    since the last verification (a draft ahead: as if none of the drafts in flight is accepted)."""
-    sparse = method != "full"    # (below, len(tokens) - 1 is `Sequence.num_verified`, inlined)
-    return sum(selection_len[w.seq.row] + w.start - len(w.seq.tokens) + 2
-               if sparse and w.kind == "draft" else w.start + w.num_tokens for w in works)
 
 
 @dataclass
@@ -120,7 +49,7 @@ class StepEvent:
     started: float                 # time.perf_counter() when scheduling began
     launch_seconds: float          # host seconds the launch took (device work is not awaited)
     kv_positions: int              # KV positions its attention reads (`kv_positions_read`)
-    graphs_recorded: int = 0       # CUDA-graph buckets recorded so far (cuda_graphs.py)
+    graphs_recorded: int = 0       # CUDA graphs recorded so far: the steps' and the refresh's
     graph_record_seconds: float = 0.0  # ... and the seconds that took
 
 
@@ -213,11 +142,16 @@ class Engine:
         self.stats.queue_seconds = self.runner.queue_seconds
         self.stats.offloads, self.stats.restores = (self.scheduler.offload_events,
                                                     self.scheduler.restore_events)
-        tables = self.runner.graph_tables()      # the steps' graphs and the refresh's
-        self.stats.graphs_recorded = sum(len(graphs.steps) for graphs in tables)
-        self.stats.graph_record_seconds = sum(graphs.record_seconds for graphs in tables)
-        self.stats.graph_record_compile_seconds = sum(g.record_compile_seconds for g in tables)
+        (self.stats.graphs_recorded, self.stats.graph_record_seconds,
+         self.stats.graph_record_compile_seconds) = self._graphs_recorded()
         return self.stats
+
+    def _graphs_recorded(self) -> tuple[int, float, float]:
+        """CUDA graphs recorded so far (the steps' and the refresh's), the seconds that took and
+        the compiling in them."""
+        tables = self.runner.graph_tables()
+        return (sum(len(g.steps) for g in tables), sum(g.record_seconds for g in tables),
+                sum(g.record_compile_seconds for g in tables))
 
     def _record_step(self, step: int, works: list[Work], scheduled: float) -> None:
         """Statistics of a step just launched (its works and selections are those it used)."""
@@ -230,10 +164,10 @@ class Engine:
         self.stats.verifications_per_step.append(kinds.count("verify"))
         self.stats.drafts_per_step.append(kinds.count("draft"))
         if self.observers.on_step is not None:
-            s, graphs = self.scheduler, self.runner.graphs
+            s = self.scheduler
             self.observers.on_step(StepEvent(
                 step, works, list(s.running), list(s.offloaded), scheduled, launched - scheduled,
-                kv_positions, *((len(graphs.steps), graphs.record_seconds) if graphs else ())))
+                kv_positions, *self._graphs_recorded()[:2]))
 
     # --- host bookkeeping of one step's results -------------------------------------------
     def _process(self, result: StepResult) -> None:

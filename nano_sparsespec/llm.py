@@ -22,11 +22,11 @@ import torch
 from tqdm import tqdm
 
 from . import kernels
-from .async_loop import (CommitCallback, Engine, Observers, RunStats, SelectionCallback, StepEvent,
-                         acceptance_summary)
+from .async_loop import CommitCallback, Engine, Observers, SelectionCallback, StepEvent
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .kv_cache import KVCache
 from .model import load_model
+from .run_stats import RunStats, acceptance_summary
 from .runner import ModelRunner
 from .scheduler import Sequence, Status
 from .tensor_parallel import Workers, check_divisible, rank_device, shard

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nano_sparsespec.async_loop import kv_positions_read
+from nano_sparsespec.run_stats import kv_positions_read
 from nano_sparsespec.cuda_graphs import compile_seconds
 from nano_sparsespec.device import common_prefix
 from nano_sparsespec.tools import bench, measure, profile, report, rows as bench_rows
