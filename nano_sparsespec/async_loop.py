@@ -308,7 +308,7 @@ class Engine:
             chosen, widths = self._scored_selections(result, fresh)
             first, count = self._accepted_spans(result, fresh)
             if self.spec.keep_accepted and max(count):
-                chosen = pillar_attn.keep_spans_first(chosen, widths, first, count, self.max_len)
+                chosen = pillar_attn.keep_spans_first(chosen, widths, first, count)
             self.runner.set_selections(seqs[:len(fresh)], chosen, widths)
         if kept:
             self.runner.keep_selections(seqs[len(fresh):], *self._accepted_spans(result, kept))

@@ -357,7 +357,7 @@ def lookup_draft_columns(seen: torch.Tensor, selection: torch.Tensor, rows: torc
                          selection_len: torch.Tensor, selection_start: torch.Tensor,
                          context_tokens: torch.Tensor,
                          tokens: torch.Tensor, verified: torch.Tensor, prev_tokens: torch.Tensor,
-                         matches: int, positions: int) -> tuple[torch.Tensor, ...]:
+                         matches: int) -> tuple[torch.Tensor, ...]:
     """The columns of its draft-buffer row a pillar-lookup draft attends to, and the positions its
     input token finds (`lookup.lookup_positions`), whose K/V the runner copies to columns
     selection_len + j: the window's columns, the lookups found, and the critical positions kept
@@ -368,17 +368,14 @@ def lookup_draft_columns(seen: torch.Tensor, selection: torch.Tensor, rows: torc
     n_kv, S] each buffer row's ranked critical positions (the first selection_len [Bs] of the
     drafts' rows [Bs], whose draft-buffer rows hold rank 0 at column selection_start [Bs]);
     context_tokens: [R + 1, Lc] (read below verified [Bs]); tokens, prev_tokens: [Bs] as
-    `lookup_positions`; positions: a context's capacity -> found_at, found_valid [Bs, M], seen
-    [Bs, L, n_kv, N] bool, by draft-buffer column."""
+    `lookup_positions` -> found_at, found_valid [Bs, M], seen [Bs, L, n_kv, N] bool, by
+    draft-buffer column."""
     found_at, found_valid = lookup.lookup_positions(context_tokens[rows], tokens, verified,
                                                     matches, prev_tokens)
-    keep = kept_beside(selection[rows], selection_len, found_at, found_valid, positions)
-    N, M, S = seen.shape[1], found_at.shape[1], selection.shape[-1]
+    keep = kept_beside(selection[rows], selection_len, found_at, found_valid,
+                       selection_start)                                  # [Bs, L, n_kv, S]
+    N, M = seen.shape[1], found_at.shape[1]
     column = torch.arange(N, device=seen.device)                                # [N]
-    ring = column[:S] < selection_len[:, None]                                  # [Bs, S]
-    rank = torch.where(ring, (column[:S] - selection_start[:, None]) % selection_len.clamp(
-        min=1)[:, None], column[:S])                                 # [Bs, S]: column's rank
-    keep = keep.gather(-1, rank[:, None, None, :].expand_as(keep))   # [Bs, L, n_kv, S] by column
     lookup_column = selection_len[:, None] + torch.arange(M, device=seen.device)  # [Bs, M]
     found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)  # [Bs, N]
     beyond = (seen & (column >= selection_len[:, None])) | found                # [Bs, N]

@@ -96,10 +96,9 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
 
 
 def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: torch.Tensor,
-                 lookup_valid: torch.Tensor, positions: int) -> torch.Tensor:
+                 lookup_valid: torch.Tensor) -> torch.Tensor:
     """The positions a pillar-lookup draft attends to besides its window, as one list (the
     engine's drafts attend to the same set from their draft buffers: `kept_beside`'s
     columns, then the lookups' own): the kept critical positions in rank order, then the valid
     lookups; arguments and result as `pillar_attn.merge_ranked`."""
-    return merge_ranked(selection, selection_len, lookup, lookup_valid, positions,
-                        extra_first=False)
+    return merge_ranked(selection, selection_len, lookup, lookup_valid, extra_first=False)

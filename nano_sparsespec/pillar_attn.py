@@ -153,34 +153,43 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
 
 
 def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                extra_valid: torch.Tensor, positions: int) -> torch.Tensor:
+                extra_valid: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
     budget: those `extra` does not hold, the lowest-ranked making room.
 
-    selection: [B, L, n_kv, N] positions best first (as `top_positions` returns them), the first
-    selection_len [B] of them real; extra, extra_valid: [B, M]; every position (all of
-    selection's, extra's valid ones) below `positions`, a context's capacity
-    -> keep [B, L, n_kv, N] bool."""
+    selection: [B, L, n_kv, N] distinct positions best first (as `top_positions` returns them),
+    the first selection_len [B] of them real; extra, extra_valid: [B, M] (the valid ones distinct)
+    -> keep [B, L, n_kv, N] bool, by rank; with `start` [B], by column of a ring that holds rank r
+    at column (start + r) mod selection_len (`attention.ring_span_writes`).
+    A rank r that no extra position holds stays while r < kept_len + (held ranks below r): the
+    kept_len best of those not held, found from the few held ranks (no scan along the ranks)."""
     B, N = selection.shape[0], selection.shape[-1]
-    # each request's valid extra positions marked (column `positions`: the invalid ones)
-    marked = torch.zeros(B, positions + 1, dtype=torch.bool, device=selection.device)
-    marked.scatter_(1, torch.where(extra_valid, extra, positions), True)
-    held = marked.gather(1, selection.flatten(1)).view_as(selection)         # [B, L, n_kv, N]
-    kept_len = selection_len - extra_valid.sum(1)                              # [B]
-    real = torch.arange(N, device=selection.device)[None, :] < selection_len[:, None]  # [B, N]
-    keep = ~held & real[:, None, None, :]
-    return keep & (keep.cumsum(-1) <= kept_len[:, None, None, None])
+    rank = torch.arange(N, device=selection.device)                              # [N]
+    real = rank[None, :] < selection_len[:, None]                               # [B, N]
+    # the rank of each valid extra position in the selection, N where it has none: [B, L, n_kv, M]
+    found = ((selection[:, :, :, None, :] == extra[:, None, None, :, None])
+             & (real[:, None, None, None, :] & extra_valid[:, None, None, :, None]))
+    held_rank = torch.where(found, rank, N).amin(-1)
+    if start is not None:                       # each column's rank: (column - start) mod width
+        rank = torch.where(real, (rank - start[:, None]) % selection_len.clamp(min=1)[:, None],
+                           rank)                                                # [B, N]
+    rank = rank.expand(B, N)[:, None, None, :, None]                            # [B, 1, 1, N, 1]
+    held = (held_rank[:, :, :, None, :] == rank).any(-1)                        # [B, L, n_kv, N]
+    held_below = (held_rank[:, :, :, None, :] < rank).sum(-1)                   # [B, L, n_kv, N]
+    kept_len = selection_len - extra_valid.sum(1)                               # [B]
+    return (real[:, None, None, :] & ~held
+            & (rank[..., 0] < kept_len[:, None, None, None] + held_below))
 
 
 def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                 extra_valid: torch.Tensor, positions: int, extra_first: bool) -> torch.Tensor:
+                 extra_valid: torch.Tensor, extra_first: bool) -> torch.Tensor:
     """One list of the `kept_beside` positions in rank order and the valid extra ones in their
     order (first, or after the kept), selection_len in all (the rest is padding).
 
     Arguments as `kept_beside` -> [B, L, n_kv, N]."""
     B, L, n_kv, N = selection.shape
     M = extra.shape[1]
-    keep = kept_beside(selection, selection_len, extra, extra_valid, positions)
+    keep = kept_beside(selection, selection_len, extra, extra_valid)
     kept_rank = keep.cumsum(-1) - 1                                            # [B, L, n_kv, N]
     extra_rank = extra_valid.cumsum(1) - 1                                     # [B, M]
     if extra_first:
@@ -196,29 +205,29 @@ def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: to
 
 
 def keep_first(selection: torch.Tensor, selection_len: torch.Tensor, keep: torch.Tensor,
-               keep_valid: torch.Tensor, positions: int) -> torch.Tensor:
+               keep_valid: torch.Tensor) -> torch.Tensor:
     """A ranked selection with the valid `keep` positions (distinct, inside the context) ranked
     first, the budget unchanged: arguments and result as `merge_ranked`."""
-    return _kernels["merge"](selection, selection_len, keep, keep_valid, positions, True)
+    return _kernels["merge"](selection, selection_len, keep, keep_valid, True)
 
 
 def keep_spans_first(selection: torch.Tensor, selection_len: list[int], first: list[int],
-                     count: list[int], positions: int) -> torch.Tensor:
+                     count: list[int]) -> torch.Tensor:
     """`keep_first` of the spans first[b] .. first[b] + count[b] - 1 (request b's), from host
     lists (one upload): selection [B, L, n_kv, N] -> [B, L, n_kv, N]."""
     spans = Packed({"first": first, "count": count, "width": selection_len},
                    selection.device).views()
     return spans_kept_first(selection, spans["width"], spans["first"], spans["count"],
-                            max(count), positions)
+                            max(count))
 
 
 def spans_kept_first(selection: torch.Tensor, selection_len: torch.Tensor, first: torch.Tensor,
-                     count: torch.Tensor, longest: int, positions: int) -> torch.Tensor:
+                     count: torch.Tensor, longest: int) -> torch.Tensor:
     """`keep_spans_first` from device tensors [B] (counts at most `longest`)."""
     j = torch.arange(longest, device=selection.device)                               # [M]
     valid = j < count[:, None]                                                         # [B, M]
     keep = torch.where(valid, first[:, None] + j, 0)
-    return keep_first(selection, selection_len, keep, valid, positions)
+    return keep_first(selection, selection_len, keep, valid)
 
 
 # what `top_positions` and `keep_first` call: the eager functions, or the fast path's compiled ones

@@ -44,7 +44,6 @@ class SelectionRefresh:
         self.runner, self.width_step = runner, runner.graphs.width_step
         # the spans just accepted are ranked first (`SpecConfig.keep_accepted`), k + 1 at most
         self.keep_accepted, self.span = runner.spec.keep_accepted, runner.spec.stride + 1
-        self.max_len = runner.model.config.max_position_embeddings    # positions a context holds
         # A refresh run twice stores what it stores once (`keep_first` ranks a span that is
         # first already first again), but for where a kept selection's ring starts: the
         # recording's warm-up run puts that back.
@@ -92,5 +91,5 @@ class SelectionRefresh:
         chosen = r.selection[lists["rows"], :, :, :shape.width]           # [batch, L, n_kv, N]
         if self.keep_accepted:
             chosen = pillar_attn.spans_kept_first(chosen, lists["width"], lists["first"],
-                                                  lists["count"], self.span, self.max_len)
+                                                  lists["count"], self.span)
         r.store_selections(lists, chosen, round_up(shape.width + r.lookups + 1, 8))

@@ -269,8 +269,7 @@ class ModelRunner(SelectionStore):
                 seen, self.selection[:, :, :, :shape.selection_width], rows, n_sel,
                 self.selection_start[rows],
                 self.committed.tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
-                dev["sparse_verified"], prev, self.spec.num_lookups,
-                self.model.config.max_position_embeddings)
+                dev["sparse_verified"], prev, self.spec.num_lookups)
             self._fill_draft_buffers(self.block_tables[rows], found_at[:, None, None, :], rows,
                                      n_sel[:, None] + torch.arange(M, device=self.device))
         else:

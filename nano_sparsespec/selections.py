@@ -125,7 +125,7 @@ class SelectionStore:
         if self.spec.keep_accepted:
             self.selection[rows, :, :, :width] = pillar_attn.spans_kept_first(
                 self.selection[rows, :, :, :width], lists["width"], lists["first"], count,
-                longest, self.model.config.max_position_embeddings)
+                longest)
         else:
             count, longest = torch.zeros_like(count), 0
         window = torch.where(lists["window"] >= 0, lists["window"], lists["width"] + self.lookups)

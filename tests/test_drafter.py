@@ -80,7 +80,7 @@ def test_merge_lookup_matches_reference():
     sel_len = torch.randint(6, N + 1, (B,), generator=g)
     lookup = torch.stack([torch.randperm(ctx, generator=g)[:6] for _ in range(B)])
     lookup_valid = torch.rand(B, 6, generator=g) < 0.7
-    merged = merge_lookup(selection, sel_len, lookup, lookup_valid, ctx)
+    merged = merge_lookup(selection, sel_len, lookup, lookup_valid)
     assert merged.shape == selection.shape                    # same width: a draft gathers no more than before
     for b in range(B):
         look = lookup[b][lookup_valid[b]].tolist()
@@ -96,7 +96,7 @@ def test_merge_lookup_keeps_a_small_context_whole():
     ctx = 6
     selection = select_pillar(torch.rand(1, 1, 1, ctx), [ctx], [16])[0][None]           # [1, L, n_kv, 6]
     lookup, valid = lookup_positions(torch.tensor([[1, 2, 1, 3, 1, 2]]), torch.tensor([1]), torch.tensor([ctx]), 2)
-    merged = merge_lookup(selection, torch.tensor([ctx]), lookup, valid, ctx)
+    merged = merge_lookup(selection, torch.tensor([ctx]), lookup, valid)
     assert sorted(merged[0, 0, 0].tolist()) == list(range(ctx))
 
 
@@ -184,7 +184,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
 
     def noted_lookup(seen, selection, rows, n_sel, *rest):                # merge_lookup's arguments
         found_at, found_valid, columns = attention.lookup_draft_columns(seen, selection, rows, n_sel, *rest)
-        lookups[:] = (selection[rows], n_sel, found_at, found_valid, rest[-1])
+        lookups[:] = (selection[rows], n_sel, found_at, found_valid)
         return found_at, found_valid, columns
 
     def checked_batch(self, shape, dev, *inputs):

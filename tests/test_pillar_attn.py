@@ -1,5 +1,6 @@
 """attention.py, pillar_attn.py, kernels.py, paged.py: dense / sparse attention kernels against explicit loop references, the attend() dispatcher, and the
 critical-token selection policies (PillarAttn top-B, StreamingLLM sink + recent)."""
+import itertools
 import math
 import os
 import shutil
@@ -11,8 +12,8 @@ from nano_sparsespec import attention, embedded, kernels, swapped_scores
 from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
-from nano_sparsespec.pillar_attn import (attention_logits, pillar_scores, select_pillar, select_streaming,
-                                         spans_kept_first)
+from nano_sparsespec.pillar_attn import (attention_logits, kept_beside, pillar_scores, select_pillar,
+                                         select_streaming, spans_kept_first)
 from nano_sparsespec.tools.measure import CompiledFrames
 
 H, N_KV, D = 4, 2, 8          # GQA: 4 query heads share 2 KV heads (group of 2)
@@ -699,7 +700,7 @@ def test_keep_first_ranks_the_kept_positions_first_within_the_budget():
     selection = torch.tensor([[[[5, 3, 9, 1, 0, 0]]], [[[7, 2, 4, 6, 8, 0]]]])      # [B, L, n_kv, N]
     keep = torch.tensor([[9, 10, 0], [1, 0, 0]])
     valid = torch.tensor([[True, True, False], [True, False, False]])
-    out = keep_first(selection, torch.tensor([4, 5]), keep, valid, 11)
+    out = keep_first(selection, torch.tensor([4, 5]), keep, valid)
     assert out[0, 0, 0, :4].tolist() == [9, 10, 5, 3]
     assert out[1, 0, 0, :5].tolist() == [1, 7, 2, 4, 6]
 
@@ -865,7 +866,7 @@ def test_compiled_kernels_match_eager():
     selection = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(4 * 2 * N_KV)]).view(4, 2, N_KV, 6)
     lookup_args = (torch.rand(3, 16, generator=g) < 0.5, selection, torch.tensor([2, 0, 3]), torch.tensor([6, 4, 5]),
                    torch.tensor([0, 3, 4]), torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]),
-                   torch.tensor([12, 9, 11]), torch.tensor([0, 4, 2]), 2, 12)
+                   torch.tensor([12, 9, 11]), torch.tensor([0, 4, 2]), 2)
     eager_lookup = attention.lookup_draft_columns(*lookup_args)
     # the draft buffers' fill: two requests' 3 blocks of 4 positions in a pool of 8 blocks, into rows 3 and 1 of the
     # buffers [2 layers, 5 rows, N_KV, 8 columns] (the rows a view into a longer list); positions per (layer, KV
@@ -950,7 +951,7 @@ def test_compiled_selection_pieces_match_the_eager_ones():
         selection = torch.stack([torch.randperm(Lmax, generator=g)[:N] for _ in range(B * 2 * N_KV)])
         keep = torch.stack([torch.randperm(Lmax, generator=g)[:M] for _ in range(B)])
         keep_inputs.append((selection.view(B, 2, N_KV, N), torch.randint(N // 2, N + 1, (B,), generator=g), keep,
-                            torch.rand(B, M, generator=g) < 0.7, Lmax))
+                            torch.rand(B, M, generator=g) < 0.7))
     eager_keys = [pillar_attn.selection_keys(*args) for args in keys_inputs]
     eager_kept = [pillar_attn.keep_first(*args) for args in keep_inputs]
     kernels.compile_kernels(paged=True)            # (the re-ranking is compiled for the GPU's paged path)
@@ -1193,6 +1194,28 @@ def test_draft_buffers_receive_the_pools_rows_of_their_positions(dtype, head_dim
     assert torch.equal(draft_k, expected_k) and torch.equal(draft_v, expected_v) and draft_k.any()
 
 
+def test_kept_beside_keeps_the_best_ranks_no_extra_holds_by_rank_and_by_ring_column():
+    """`kept_beside`: of a ranked selection's first width positions, those no valid extra position holds stay, the
+    best width - (valid extras) of them; read by rank, and by column of a ring that starts at `start` (rank r at
+    column (start + r) mod width). Widths 0, 1 and the whole row; extras in the selection, outside it, invalid."""
+    g = torch.Generator().manual_seed(8)
+    B, L, n_kv, N, M = 6, 2, 3, 7, 4
+    selection = torch.stack([torch.randperm(12, generator=g)[:N] for _ in range(B * L * n_kv)]).view(B, L, n_kv, N)
+    widths, start = torch.tensor([7, 5, 1, 0, 6, 3]), torch.tensor([3, 4, 0, 0, 5, 2])
+    extra = torch.stack([torch.randperm(12, generator=g)[:M] for _ in range(B)])
+    valid = torch.rand(B, M, generator=g) < 0.75
+    by_rank, by_column = kept_beside(selection, widths, extra, valid), kept_beside(selection, widths, extra, valid, start)
+    for b, l, h in itertools.product(range(B), range(L), range(n_kv)):
+        width, held = int(widths[b]), set(extra[b][valid[b]].tolist())
+        ranked = selection[b, l, h, :width].tolist()
+        best = [r for r, p in enumerate(ranked) if p not in held][:max(0, width - len(held))]
+        expected = [r in best for r in range(N)]
+        assert by_rank[b, l, h].tolist() == expected
+        columns = [(int(start[b]) + r) % width for r in range(width)]
+        assert [by_column[b, l, h, c].item() for c in columns] == expected[:width]
+        assert not by_column[b, l, h, width:].any()
+
+
 def test_a_kept_selections_ring_holds_it_after_each_span_ranked_first():
     """A kept selection's draft-buffer row, written only where `ring_span_writes` says (each verification's accepted
     span, at most `longest` + 1 columns), holds its ranked selection as a ring from `start` after every refresh that
@@ -1208,7 +1231,7 @@ def test_a_kept_selections_ring_holds_it_after_each_span_ranked_first():
     for _ in range(12):
         count = torch.randint(0, longest + 1, (B,), generator=g)
         first, pending = verified, verified + count
-        selection = spans_kept_first(selection[:, None, None], widths, first, count, longest, 200)[:, 0, 0]
+        selection = spans_kept_first(selection[:, None, None], widths, first, count, longest)[:, 0, 0]
         start, positions, columns = attention.ring_span_writes(start, widths, first, count, pending,
                                                                torch.full((B,), window), longest)
         assert columns.shape == (B, longest + 1)

@@ -140,7 +140,7 @@ def lookup_selection(selection: torch.Tensor, tokens: list[int], context: int, p
     ctx = torch.tensor([tokens[:context]])
     found, valid = lookup.lookup_positions(ctx, torch.tensor([tokens[position]]), torch.tensor([context]),
                                                 matches, torch.tensor([tokens[position - 1]]))
-    return lookup.merge_lookup(selection[None], torch.tensor([selection.shape[-1]]), found, valid, len(tokens))[0]
+    return lookup.merge_lookup(selection[None], torch.tensor([selection.shape[-1]]), found, valid)[0]
 
 
 def sinks_recent_then_pillars(scores: torch.Tensor, context: int, n: int, fixed: int, sinks: int) -> torch.Tensor:
