@@ -49,20 +49,26 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = Fal
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
-    score pass, draft branch, pillar-lookup's draft columns and the selection's keys (dynamic
-    shapes; float tolerance), the K/V write and the draft buffers' fill (`compile_store`,
-    `compile_fill`); with `paged` the selection's re-ranking and the paged dense path: its attention
-    for static shapes (flex_attention's decoding kernel wants them: one compilation per batch class,
-    query rows and chunks), the swapped score pass and its inputs for a dynamic batch and context
-    (padded steps have at least two requests: torch specialises sizes 0 and 1), and the drafts'
-    attention in place (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets
-    its decode row's bits."""
+    score pass, draft branch and the selection's keys (dynamic shapes; float tolerance),
+    pillar-lookup's draft columns (static but for the drafts, columns, width and context), the
+    K/V write and the draft buffers' fill (`compile_store`, `compile_fill`); with `paged` the
+    selection's re-ranking and the paged dense path: its attention for static shapes
+    (flex_attention's decoding kernel wants them: one compilation per batch class, query rows and
+    chunks), the swapped score pass and its inputs for a dynamic batch and context (padded steps
+    have at least two requests: torch specialises sizes 0 and 1), and the drafts' attention in
+    place (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets its decode
+    row's bits."""
     paged_kernel.exact_rows = paged and exact
     kernels = attention._kernels
     kernels["store"] = compile_store()
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     kernels["sparse"] = verifier.compiled_apart(attention.sparse_drafts)
-    kernels["lookup"] = verifier.compiled_apart(attention.lookup_draft_columns)
+    # lookup_draft_columns(seen, selection, rows, selection_len, selection_start, context_tokens,
+    # tokens, verified, prev_tokens, matches): drafts, columns, selection width and context
+    # dynamic; layers, KV heads and buffer rows constants (symbolic ones: a division per index)
+    lookup_dynamic = {0: (0, 1), 1: (3,), 5: (1,)} | {i: (0,) for i in (2, 3, 4, 6, 7, 8)}
+    kernels["lookup"] = verifier.sizes_apart(_static_but(attention.lookup_draft_columns,
+                                                         lookup_dynamic))
     kernels["fill"] = compile_fill()
     pillar_attn._kernels["keys"] = verifier.compiled_apart(pillar_attn.selection_keys)
     if paged:
