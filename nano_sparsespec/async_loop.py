@@ -14,8 +14,8 @@ Owns
     drafters draft ahead of it (`SpecConfig.drafts_ahead`). On the CPU the same schedule runs with
     no overlap.
   * the observer callbacks (`Observers`), through which tools and tutorials watch the engine:
-    each launched step (`StepEvent`), each commit of tokens, each refreshed selection.
-It fills a run's `RunStats` (run_stats.py).
+    each launched step (`StepEvent`), each commit of tokens, each refreshed selection; and the
+    run's `RunStats` (run_stats.py), filled step by step.
 
 Must not re-implement sampling (verifier.py) or attention (attention.py, pillar_attn.py).
 """
@@ -33,9 +33,9 @@ from .config import PILLAR_METHODS, SpecConfig
 from .device import to_device
 from .kv_cache import KVCache
 from .model import CausalLM
+from .run_stats import RunStats, kv_positions_read
 from .runner import ModelRunner
 from .scheduler import Scheduler, Sequence, Status, Work
-from .run_stats import RunStats, kv_positions_read
 from .step_result import StepResult
 
 

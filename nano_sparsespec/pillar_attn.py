@@ -166,9 +166,9 @@ def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: tor
     B, N = selection.shape[0], selection.shape[-1]
     rank = torch.arange(N, device=selection.device)                              # [N]
     real = rank[None, :] < selection_len[:, None]                               # [B, N]
-    # the rank of each valid extra position in the selection, N where it has none: [B, L, n_kv, M]
-    found = ((selection[:, :, :, None, :] == extra[:, None, None, :, None])
+    found = ((selection[:, :, :, None, :] == extra[:, None, None, :, None])     # [B, L, n_kv, M, N]
              & (real[:, None, None, None, :] & extra_valid[:, None, None, :, None]))
+    # the rank each valid extra position holds in the selection, N where none: [B, L, n_kv, M]
     held_rank = torch.where(found, rank, N).amin(-1)
     if start is not None:                       # each column's rank: (column - start) mod width
         rank = torch.where(real, (rank - start[:, None]) % selection_len.clamp(min=1)[:, None],
