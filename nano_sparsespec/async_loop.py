@@ -51,6 +51,7 @@ class StepEvent:
     kv_positions: int              # KV positions its attention reads (`kv_positions_read`)
     graphs_recorded: int = 0       # CUDA graphs recorded so far: the steps' and the refresh's
     graph_record_seconds: float = 0.0  # ... and the seconds that took
+    graph_record_compile_seconds: float = 0.0  # ... of which torch.compile compiled
 
 
 # (request, new tokens, accepted drafts)
@@ -167,7 +168,7 @@ class Engine:
             s = self.scheduler
             self.observers.on_step(StepEvent(
                 step, works, list(s.running), list(s.offloaded), scheduled, launched - scheduled,
-                kv_positions, *self._graphs_recorded()[:2]))
+                kv_positions, *self._graphs_recorded()))
 
     # --- host bookkeeping of one step's results -------------------------------------------
     def _process(self, result: StepResult) -> None:

@@ -423,15 +423,21 @@ def test_rows_with_cuda_graphs_run_no_warm_up(tiny_qwen3, prompts_file, monkeypa
     assert bench.main(argv) == 0 and runs == [False] * 3
 
 
-def test_the_step_clock_leaves_out_graph_recording():
+def test_the_step_clock_leaves_out_graph_recording_and_compiling(monkeypatch):
     """StepClock: a step lasts from its start to the next one's, less the CUDA-graph recording its launch did (the
-    events' cumulative graph_record_seconds); the run's time in tenths of its steps sums to 1."""
+    events' cumulative graph_record_seconds) and the compiling outside any recording (torch's tally, less the
+    events' graph_record_compile_seconds); the run's time in tenths of its steps sums to 1."""
+    from nano_sparsespec.tools import measure
+    compiled = iter([10.0, 10.0, 10.2, 10.5, 10.5])          # torch's tally: at the clock's start, then each step
+    monkeypatch.setattr(measure, "compile_seconds", lambda: next(compiled))
     clock = StepClock()
-    # (started, graph recording so far after the step's launch): step 1's launch records for 0.5 s
-    for started, recorded in [(0.0, 0.0), (1.0, 0.5), (1.6, 0.5), (2.0, 0.5)]:
-        clock.on_step(SimpleNamespace(started=started, graph_record_seconds=recorded))
-    # steps of 1.0, 0.1, 0.4 and 1.0 s (the last until the run's end at 3.0)
-    assert clock.time_by_tenth(3.0) == pytest.approx([0.4, 0.04, 0.16, 0.4])
+    # (started, recording so far, of which compiling): step 1's launch records for 0.5 s (compiling 0.2 of it),
+    # step 2's compiles 0.3 s outside a recording
+    for started, recorded, record_compiled in [(0.0, 0.0, 0.0), (1.0, 0.5, 0.2), (1.6, 0.5, 0.2), (2.3, 0.5, 0.2)]:
+        clock.on_step(SimpleNamespace(started=started, graph_record_seconds=recorded,
+                                      graph_record_compile_seconds=record_compiled))
+    # steps of 1.0, 0.1, 0.4 and 1.0 s (the last until the run's end at 3.3)
+    assert clock.time_by_tenth(3.3) == pytest.approx([0.4, 0.04, 0.16, 0.4])
     assert tenths(25)[:3] == [(0, 2), (2, 5), (5, 7)] and len(tenths(25)) == 10 and tenths(0) == []
 
 

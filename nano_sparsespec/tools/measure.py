@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..cuda_graphs import compile_seconds
 from ..model import CausalLM
 
 H200_PEAK_GBS = 4300.0
@@ -168,23 +169,27 @@ def tenths(steps: int) -> list[tuple[int, int]]:
 
 
 class StepClock:
-    """When each launched step of a run began, on a clock that leaves out CUDA-graph recording:
-    pass `on_step` to `LLM.generate`, then `time_by_tenth(end)`."""
+    """When each launched step of a run began, on a clock that leaves out the one-time costs a
+    row's `seconds` leaves out: CUDA-graph recording and compiling outside it. Pass `on_step` to
+    `LLM.generate`, then `time_by_tenth(end)`."""
 
     def __init__(self):
         self.starts: list[float] = []
-        self.recorded = 0.0          # graph recording so far, before the step now observed
+        self.one_time = 0.0          # one-time costs so far, before the step now observed
+        self.compiled = compile_seconds()
 
     def on_step(self, event) -> None:
-        self.starts.append(event.started - self.recorded)
-        self.recorded = event.graph_record_seconds     # ... now with this step's recording
+        self.starts.append(event.started - self.one_time)
+        # ... now with this step's: its recording, and compiling that no recording holds
+        compiling = compile_seconds() - self.compiled - event.graph_record_compile_seconds
+        self.one_time = event.graph_record_seconds + compiling
 
     def time_by_tenth(self, end: float) -> list[float]:
         """The share of the run's time (to `end`, time.perf_counter() when it ended) spent in each
         tenth of its steps (`tenths`): whether a tail of few busy slots is cheap or dear."""
         if not self.starts:
             return []
-        marks = self.starts + [end - self.recorded]
+        marks = self.starts + [end - self.one_time]
         total = marks[-1] - marks[0]
         return [round((marks[stop] - marks[first]) / total, 4)
                 for first, stop in tenths(len(self.starts))]
