@@ -33,6 +33,14 @@ from .pillar_attn import pillar_scores
 from .swapped_scores import score_inputs, score_pass
 
 
+# The paged kernel's merge of S chunks (`paged.merge_chunks`) reads 2S + 1 inputs an element in
+# one chain of sums; past its default limits the compiler stores intermediate sums in buffers of
+# their own, in more kernels (at 8 chunks a verification's attention took a fifth longer:
+# BENCHMARKS.md).
+ONE_KERNEL_MERGE = {"realize_acc_reads_threshold": 1000, "realize_reads_threshold": 1000,
+                    "realize_opcount_threshold": 1000}
+
+
 def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = False,
                       dense_batch: int = 2) -> None:
     """What `LLM(compile=True)` switches on for every model in this process: the compiled
@@ -78,7 +86,8 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
         # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse) and
         # score_pass(scores, keys, rows, shift, q_start, Q): T, batch and context dynamic
-        _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}, small_batch_arg=2),
+        _paged.update(attend=_static_but(paged_attend, {0: (0,), 1: (0,)}, small_batch_arg=2,
+                                         options=ONE_KERNEL_MERGE),
                       score_inputs=_static_but(score_inputs, {0: (0,), 1: (0,), 3: (0, 1),
                                                               5: (0,), 6: (0,)}),
                       score_pass=_static_but(score_pass, {0: (0, 2), 1: (0, 2), 2: (0,),
@@ -103,7 +112,8 @@ def compile_elementwise() -> None:
                        for name, fn in model._eager_ops.items()})
 
 
-def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None):
+def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None,
+                options: dict | None = None):
     """`fn` compiled for static shapes but the dims `dynamic_dims` names (argument index ->
     dims): sizes that vary from step to step (token rows, which also count a step's sparse drafts;
     batch; context) do not recompile it, while the pool's and the heads' sizes stay constants of
@@ -111,8 +121,9 @@ def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: i
     that argument's dim 0 (a dense batch) is dynamic too where it is at most SMALL_BATCH: the paged
     kernel attends such a batch padded to a static size (`kernel_batch`).
     Each tensor goes in as a fresh view (`detach`): the output of another compiled function
-    carries that function's dynamic dims, which would override the static ones here."""
-    compiled = torch.compile(fn, dynamic=False)
+    carries that function's dynamic dims, which would override the static ones here. `options`:
+    the compiler's settings for `fn` alone."""
+    compiled = torch.compile(fn, dynamic=False, options=options)
 
     def run(*args):
         args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
