@@ -14,12 +14,14 @@ the forms' outputs, and whether `cuda_graphs.fast_draft_width` keeps N.
 `paged`: the paged kernel (`paged.paged_attend`: flex_attention's decoding kernel over the pool,
 then the merge of the chunks) against the number of chunks each context is cut into, for a plain
 step (1,024 requests, one row each) and a balanced step's verifications (114 requests of 9 rows,
-with log-sum-exps), every context 4,000 positions or each drawn from [256, 4,000), blocks of 64
-scattered over the pool. Prints each count's time and how far its output is from one chunk's
-(`paged.PAGED_CTAS`; BENCHMARKS.md, "Where a busy step's time goes").
+with log-sum-exps), or the `--shapes` given, every context 4,000 positions or each drawn from
+[256, 4,000), blocks of 64 scattered over the pool. Prints each count's time and how far its output
+is from one chunk's (`paged.PAGED_CTAS`; BENCHMARKS.md, "Where a busy step's time goes"). With
+`--default-merge-limits` the merge is compiled with the compiler's default limits instead of as
+one kernel (`kernels.ONE_KERNEL_MERGE`).
 
     python benchmarks/attention_shapes.py drafts [--widths 128:480:8]
-    python benchmarks/attention_shapes.py paged [--chunks 1,2,4,8]
+    python benchmarks/attention_shapes.py paged [--chunks 1,2,4,8] [--shapes 1024x1,114x9]
 """
 import argparse
 import json
@@ -65,8 +67,14 @@ def main() -> None:
                         help="columns of each buffer row (the embedded model's with CUDA graphs)")
     paged = kinds.add_parser("paged", help="the paged kernel by chunks per context")
     paged.add_argument("--chunks", default="1,2,4,8", help="chunk counts")
+    paged.add_argument("--shapes", default="1024x1,114x9",
+                       help="requests x rows (rows > 1: verifications, with log-sum-exps)")
+    paged.add_argument("--default-merge-limits", action="store_true",
+                       help="compile the chunks' merge with the compiler's default limits")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.kind == "paged" and args.default_merge_limits:
+        kernels.ONE_KERNEL_MERGE = None
     kernels.compile_kernels(paged=True)
     print(json.dumps(draft_widths(args) if args.kind == "drafts" else paged_chunks(args)))
 
@@ -110,7 +118,9 @@ def paged_chunks(args) -> dict:
     cuda, block = dict(device="cuda"), 64
     blocks = TABLE_BLOCKS
     results = []
-    for batch, Q, with_lse in ((1024, 1, False), (114, 9, True)):
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    for batch, Q in shapes:
+        with_lse = Q > 1
         for spread in (False, True):
             context = (torch.randint(256, LONGEST, (batch,)) if spread
                        else torch.full((batch,), LONGEST)).to(**cuda)                    # [B]
@@ -147,7 +157,9 @@ def paged_chunks(args) -> dict:
                   + ", ".join(f"{n} chunks {row[f'{n}_chunks_us_per_layer']:.1f}"
                               for n in counts) + " us per layer", flush=True)
     return {"device": torch.cuda.get_device_name(), "kv_heads": KV_HEADS, "group": GROUP,
-            "head_dim": HEAD_DIM, "block_size": block, "paged_chunks": results}
+            "head_dim": HEAD_DIM, "block_size": block,
+            "merge": "default limits" if args.default_merge_limits else "one kernel",
+            "paged_chunks": results}
 
 
 if __name__ == "__main__":
