@@ -309,6 +309,8 @@ class StepGraphs(Graphs):
         and k drafts whatever they check, drafts a window of at least k, so that the steps of one
         context share one bucket. A speculating engine's checks all have k drafts and k + 1 rows (a
         last prefill chunk's, none: padded), so that one compiled verification serves every step.
+        A step of plain decodes alone (the plain tail) keeps one query row a request: with k + 1,
+        its few requests would run the token rows of a busy step's verifications.
 
         A draft step reads every row of the draft buffers (up to the scratch row), or a copy of
         its drafts' rows where they are under a third of them (`attention.gathered`),
@@ -326,12 +328,14 @@ class StepGraphs(Graphs):
         if selection and context and self.budget is not None:   # the budget at that context
             selection = max(selection, self.budget(context))
         queries, runs = s.dense_queries, ()
+        speculative_checks = s.checks and self.speculates
+        plain_decodes = s.check_drafts == 0 and s.sparse_batch == 0     # (the plain tail)
         if s.dense_runs:
             queries = max(64, 1 << (queries - 1).bit_length())
             runs = ((0, dense_batch, queries, blocks, True),)
-        elif queries > 1 or (s.checks and self.speculates):   # verifications: k + 1 rows,
-            queries = max(queries, k + 1)                        # whatever they check
-        check_drafts = max(s.check_drafts, k) if s.checks and self.speculates else s.check_drafts
+        elif queries > 1 or (speculative_checks and not plain_decodes):   # verifications: k + 1
+            queries = max(queries, k + 1)                              # rows, whatever they check
+        check_drafts = max(s.check_drafts, k) if speculative_checks else s.check_drafts
         selection = round_up(selection, self.width_step)
         window = 0
         if s.window:   # at least k, and reaching a fast width (`fast_draft_width`)

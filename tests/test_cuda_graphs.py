@@ -75,6 +75,26 @@ def test_steps_of_a_context_share_a_bucket():
     assert graphs.bucket(too_few) == graphs.rounded(too_few) != bucket
 
 
+
+def test_a_step_of_plain_decodes_keeps_one_query_row_a_request():
+    """In a speculating engine a step of plain decodes alone (the plain tail: checks of no drafts, no drafts) is
+    bucketed with one query row a request, not a verification's k + 1, which would give its few requests the token
+    rows of a busy step's verifications; its checks keep k drafts (one compiled verification). A step that checks
+    drafts, or drafts, keeps k + 1 rows."""
+    from nano_sparsespec.step_lists import StepShape
+    k = 8
+    graphs = StepGraphs(None, block_size=16, state=[], rows=512, stride=k, budget=lambda n: 128)
+    tail = StepShape(tokens=6, dense_batch=5, dense_queries=1, dense_blocks=4000 // 16, scores=False, sparse_batch=0,
+                     sparse_rows=0, selection_width=0, window=0, lookup_context=0, drafts=0, checks=5, check_drafts=0,
+                     draft_flags=(), check_flags=())
+    bucket = graphs.bucket(tail)
+    assert (bucket.dense_batch, bucket.dense_queries, bucket.check_drafts, bucket.checks) == (8, 1, k, 8)
+    assert bucket.tokens == round_up(8 + 1, TOKEN_TILE)
+    checking_drafts = replace(tail, tokens=15, dense_queries=3, check_drafts=2)
+    assert graphs.bucket(checking_drafts).dense_queries == k + 1
+    drafting = replace(tail, tokens=10, sparse_batch=4, sparse_rows=512, selection_width=128, window=3, drafts=4)
+    assert graphs.bucket(drafting).dense_queries == k + 1
+
 def test_a_bucket_s_token_rows_are_whole_matmul_tiles(monkeypatch):
     """A bucket's token rows (its requests' rows and the padding row, the last) are a whole number of every device's
     matmul row tile, so that the layers' matmuls pad nothing: a pad is a fill and a copy before each of them, two more
