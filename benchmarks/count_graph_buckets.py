@@ -11,7 +11,8 @@ Prompts of 60-250 tokens, greedy, every request writes all its tokens. Slot-step
 (busy), sits out a step while its verification is in flight (stall), waits for its verify slot or its prefill, or
 the slot holds no request (empty). Padding: the share of the key positions the verifications' score pass gathers
 (the bucket's dense batch x its longest context) and of the positions the drafts attend to (its sparse batch x
-(widest selection + widest window)) past each request's own. Host milliseconds a step: the mean and the median
+(widest selection + widest window)) past each request's own; and of the token rows the layers run, over all steps
+and over those with under an eighth of the batch working (the drain). Host milliseconds a step: the mean and the median
 over the steps that give at least 95% of the batch work, the median split into scheduling and launching it, and
 the rest of the loop (processing the step before's results), leaving out the time this script spends making up
 results and counting slot-steps and padding; device buffers are not touched, and the selection refresh's few
@@ -72,11 +73,14 @@ class BucketCounter(ModelRunner):
     # positions (bucketed shape, the requests' own) the score pass gathers keys of, a whole
     # context a scored dense row, and that the drafts attend to, selection and window a draft
     gathered, sparse = Counter(), Counter()
+    token_rows = []                # per step: (requests working, its own token rows, its bucket's)
 
     def _run(self, plan, shape, static):
         super()._run(plan, shape, static)                     # lists, packing, table changes
         started = time.perf_counter()
         self.recorded.add(shape)
+        self.token_rows.append((len(plan.dense) + len(plan.sparse),
+                                sum(w.num_tokens for w, _ in plan.dense) + len(plan.sparse), shape.tokens))
         if shape.scores:
             bs = self.cache.block_size
             self.gathered["shape"] += shape.dense_batch * shape.dense_blocks * bs
@@ -182,6 +186,12 @@ def main() -> None:
                                (BucketCounter.sparse, "the positions drafts attend to")) if c]
     if padding:
         print("padding past the requests' own contexts and selections: " + ", ".join(padding))
+    for what, steps in (("all steps", BucketCounter.token_rows),
+                        ("steps with under an eighth of the batch working",
+                         [t for t in BucketCounter.token_rows if t[0] < batch / 8])):
+        if steps:
+            own, rows = (sum(t[i] for t in steps) for i in (1, 2))
+            print(f"token rows, {what} ({len(steps)}): {rows / len(steps):.0f} a step, {1 - own / rows:.1%} padding")
     if host:
         whole, launch = (1e3 * statistics.median(t) for t in zip(*host))
         mean = 1e3 * statistics.mean(t for t, _ in host)   # (with the collector's occasional passes)
