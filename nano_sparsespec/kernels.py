@@ -35,8 +35,7 @@ from .swapped_scores import score_inputs, score_pass
 
 # The paged kernel's merge of S chunks (`paged.merge_chunks`) reads 2S + 1 inputs an element in
 # one chain of sums; past its default limits the compiler stores intermediate sums in buffers of
-# their own, in more kernels (at 8 chunks a verification's attention took a fifth longer:
-# BENCHMARKS.md).
+# their own, in more kernels (slower from 4 chunks on: BENCHMARKS.md).
 ONE_KERNEL_MERGE = {"realize_acc_reads_threshold": 1000, "realize_reads_threshold": 1000,
                     "realize_opcount_threshold": 1000}
 

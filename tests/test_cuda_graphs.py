@@ -75,7 +75,6 @@ def test_steps_of_a_context_share_a_bucket():
     assert graphs.bucket(too_few) == graphs.rounded(too_few) != bucket
 
 
-
 def test_a_step_of_plain_decodes_keeps_one_query_row_a_request():
     """In a speculating engine a step of plain decodes alone (the plain tail: checks of no drafts, no drafts) is
     bucketed with one query row a request, not a verification's k + 1, which would give its few requests the token
@@ -94,6 +93,7 @@ def test_a_step_of_plain_decodes_keeps_one_query_row_a_request():
     assert graphs.bucket(checking_drafts).dense_queries == k + 1
     drafting = replace(tail, tokens=10, sparse_batch=4, sparse_rows=512, selection_width=128, window=3, drafts=4)
     assert graphs.bucket(drafting).dense_queries == k + 1
+
 
 def test_a_bucket_s_token_rows_are_whole_matmul_tiles(monkeypatch):
     """A bucket's token rows (its requests' rows and the padding row, the last) are a whole number of every device's
