@@ -207,7 +207,8 @@ def paged_kernel_shapes(buckets) -> set:
     capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
     return {(paged_kernel.kernel_batch(b.dense_batch), b.dense_queries,
              paged_kernel.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE,
-                                       paged_kernel.kernel_batch(b.dense_batch) * KV_HEADS), b.scores)
+                                       paged_kernel.kernel_batch(b.dense_batch) * KV_HEADS,
+                                       b.dense_queries), b.scores)
             for b in buckets if b.dense_batch and not b.dense_runs}
 
 

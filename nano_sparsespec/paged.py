@@ -23,11 +23,14 @@ from .swapped_scores import score_inputs, score_pass
 
 # The paged kernel cuts every context at the same positions into chunks (each a CTA's work) of at
 # least PAGED_CHUNK positions, no more than bring a batch's CTAs to PAGED_CTAS (about 8 per SM of
-# an H200; more only add merging: BENCHMARKS.md). With exact rows
+# an H200; more only add merging: BENCHMARKS.md). A batch of several query rows a request
+# (verifications, k + 1 rows served by each key load) aims at CHECK_CTAS: fewer chunks merge less,
+# and with spread contexts they attend faster. With exact rows
 # (`kernels.compile_kernels(exact=True)`) chunks grow so that the longest context the block tables
 # hold needs at most MAX_CHUNKS.
 PAGED_CHUNK = 512
 PAGED_CTAS = 1024
+CHECK_CTAS = 512
 MAX_CHUNKS = 16
 # Dense batches of at most this many requests (a balanced step's verifications): the paged kernel
 # sees them padded to a power of two (`kernel_batch`): one compilation serves each such class.
@@ -69,21 +72,25 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
     capacity = max(ctx.context_capacity // ctx.block_size, d.block_table.shape[1])     # blocks
     heads = kernel_batch(d.block_table.shape[0]) * ctx.k_cache.shape[2]      # requests x KV heads
     chunk, splits = (exact_chunks(capacity, ctx.block_size) if exact_rows else
-                     paged_chunks(d.block_table.shape[1], capacity, ctx.block_size, heads))
+                     paged_chunks(d.block_table.shape[1], capacity, ctx.block_size, heads,
+                                  d.q_index.shape[1]))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits,
                                     full_blocks=not exact_rows)
 
 
-def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int) -> tuple[int, int]:
-    """(blocks per chunk, chunks) for a dense batch of `heads` (request, KV head) pairs whose block
-    tables hold `blocks` blocks, of at most `capacity`: as many PAGED_CHUNK-position chunks as its
-    longest context needs, rounded up to a power of two, but no more than bring its CTAs to
-    PAGED_CTAS (then chunks a power of two times longer): a few compilations serve a batch class
-    (empty chunks merge as zeros). One chunk spans the widest table, `capacity`: one compilation."""
+def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int,
+                 rows: int = 1) -> tuple[int, int]:
+    """(blocks per chunk, chunks) for a dense batch of `heads` (request, KV head) pairs of `rows`
+    query rows each, whose block tables hold `blocks` blocks, of at most `capacity`: as many
+    PAGED_CHUNK-position chunks as its longest context needs, rounded up to a power of two, but no
+    more than bring its CTAs to PAGED_CTAS, CHECK_CTAS for several rows (then chunks a power of two
+    times longer): a few compilations serve a batch class (empty chunks merge as zeros). One chunk
+    spans the widest table, `capacity`: one compilation."""
     chunk = max(1, PAGED_CHUNK // block_size)
     needed = 1 << (-(-blocks // chunk) - 1).bit_length()
-    enough = 1 << (-(-PAGED_CTAS // heads) - 1).bit_length()
+    ctas = PAGED_CTAS if rows == 1 else CHECK_CTAS
+    enough = 1 << (-(-ctas // heads) - 1).bit_length()
     while needed > enough:
         chunk, needed = chunk * 2, needed // 2
     splits = min(needed, -(-capacity // chunk))

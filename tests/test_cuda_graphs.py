@@ -354,6 +354,17 @@ def test_contexts_are_cut_into_as_many_chunks_as_the_longest_needs():
     assert paged_kernel.paged_chunks(100, 129, 64, ctas // 3) == (4 * chunk, 4)                      # 4 x 341 >= 1024
 
 
+def test_verifications_cut_their_contexts_into_half_as_many_chunks():
+    """A batch of several query rows a request (verifications: each CTA serves k + 1 rows from a key load) aims at
+    CHECK_CTAS, half of PAGED_CTAS: 64 requests x 3 KV heads attend in 4 chunks, not 8; 128 in 2, not 4."""
+    chunk = paged_kernel.PAGED_CHUNK // 64
+    assert paged_kernel.CHECK_CTAS == paged_kernel.PAGED_CTAS // 2
+    assert [paged_kernel.paged_chunks(65, 129, 64, requests * 3) for requests in (64, 128)] == \
+        [(2 * chunk, 8), (4 * chunk, 4)]
+    assert [paged_kernel.paged_chunks(65, 129, 64, requests * 3, rows=9) for requests in (64, 128)] == \
+        [(4 * chunk, 4), (8 * chunk, 2)]
+
+
 def test_small_batches_attend_in_the_class_of_the_usual_step(monkeypatch):
     """The paged kernel attends a batch of at most SMALL_BATCH requests padded to a power of two, at least the dense
     batch of the engine's usual step (a balanced step's verifications, one request in k + 1): a run's start and tail
