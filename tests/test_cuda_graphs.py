@@ -189,10 +189,12 @@ def test_padded_draft_steps_of_few_drafts_read_copies_of_their_rows(tiny_qwen3, 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the paged kernel is compiled for the GPU alone")
 @pytest.mark.parametrize("method,async_verify,options", [("pillar", True, {}), ("pillar-lookup", False, {}),
-                                                       ("pillar-lookup", True, {"score_every": 2, "refresh_every": 2})])
+                                                       ("pillar-lookup", True, {"score_every": 2, "refresh_every": 2}),
+                                                       ("pillar-lookup", True, {"plain_tail": 0.5})])
 def test_compiled_fast_path_is_lossless(tiny_qwen3, prompts, tmp_path, monkeypatch, method, async_verify, options):
     """The whole fast path on the GPU (CUDA graphs, the compiled paged kernel whose verifications score through the
-    swapped pass, compiled elementwise pieces and sampling): greedy speculation equals plain decoding, float32."""
+    swapped pass, compiled elementwise pieces and sampling): greedy speculation equals plain decoding, float32; with
+    `plain_tail` 0.5 the last two requests decode plainly, in steps of one query row a request."""
     from nano_sparsespec import model as model_module, verifier
     monkeypatch.setenv("NANO_SPARSESPEC_CACHE", str(tmp_path))
     try:
