@@ -460,3 +460,27 @@ def test_the_host_sampler_says_where_a_rows_host_time_goes(tiny_qwen3, prompts_f
         assert all(name.count(":") == 2 and name.split(":")[2].isdigit() for name, _ in own), own
     assert bench.main(argv + ["--sample-host", "-1"]) == 2
     assert "--sample-host must be >= 0 ms (0: off), got -1.0" in capsys.readouterr().err
+
+
+def test_a_result_names_its_code_by_commit_changes_and_digest(tmp_path):
+    """`git_state` of a package folder in a checkout: its commit, whether the package has uncommitted changes, and a
+    digest of its Python files that changes with their contents (it names the code where a copy's git is stale)."""
+    import subprocess
+
+    package = tmp_path / "pkg"
+    (package / "tools").mkdir(parents=True)
+    (package / "tools" / "a.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("outside the package\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "first"]):
+        subprocess.run(git + args, check=True)
+    clean = measure.git_state(package)
+    assert clean["package_dirty"] is False and len(clean["commit"]) >= 7
+    (tmp_path / "README.md").write_text("changed outside the package\n")
+    assert measure.git_state(package)["package_dirty"] is False
+    (package / "tools" / "a.py").write_text("x = 2\n")
+    changed = measure.git_state(package)
+    assert changed["package_dirty"] is True and changed["commit"] == clean["commit"]
+    assert changed["source_digest"] != clean["source_digest"]
+    (package / "tools" / "a.py").write_text("x = 1\n")
+    assert measure.source_digest(package) == clean["source_digest"]

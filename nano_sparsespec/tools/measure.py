@@ -243,23 +243,37 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def git_state() -> dict | None:
-    """The checkout's commit and whether the package has uncommitted changes (None outside a
-    git checkout)."""
+PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def git_state(package: Path = PACKAGE) -> dict | None:
+    """The checkout's commit, whether the package has uncommitted changes (None outside a git
+    checkout), and `source_digest`, which names the code that ran where the checkout's git is
+    stale (a copy of the working tree beside an older .git)."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        commit = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=10,
                                 check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
-                                "nano_sparsespec"],
+        dirty = subprocess.run(["git", "-C", str(package), "status", "--porcelain", "--", "."],
                                capture_output=True, text=True, timeout=10,
                                check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return {"commit": commit, "package_dirty": bool(dirty)}
+    return {"commit": commit, "package_dirty": bool(dirty),
+            "source_digest": source_digest(package)}
+
+
+def source_digest(package: Path = PACKAGE) -> str:
+    """The first 12 hex digits of sha256 over the package's Python files (relative paths and
+    contents, in path order): equal digests, the same code."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @contextlib.contextmanager
