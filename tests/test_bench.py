@@ -278,9 +278,17 @@ def test_score_every_and_refresh_every_reach_the_rows_and_the_profile(tiny_qwen3
             "--stride", str(K), "--min-budget", "8", "--profile-reps", "1", "--profile-accepted", "3", "--device",
             "cpu", "--threads", "1", "--score-every", "2", "--refresh-every", "2", "--json-out", str(out)]
     assert bench.main(argv) == 0
-    entry = json.loads(out.read_text())["profile"][0]
+    result = json.loads(out.read_text())
+    entry = result["profile"][0]
     assert (entry["score_every"], entry["refresh_every"]) == (2, 2)
     assert entry["verify_kept"]["ms"] > 0 and entry["mixed_kept"]["ms"] > 0
+    # the balanced step the engine runs on average: one re-selecting period in 2
+    mean = (entry["mixed"]["ms"] + entry["mixed_kept"]["ms"]) / 2
+    assert entry["mixed_refreshed_ms"] == pytest.approx(mean, abs=2e-3)
+    assert entry["balanced_refreshed_at_accepted"]["3"] == pytest.approx(4 / (K + 1) * entry["plain"]["ms"] / mean,
+                                                                         rel=1e-2)
+    table = report.profile_markdown(result["profile"], K)
+    assert f"| {entry['mixed_refreshed_ms']:.2f} | {entry['balanced_refreshed_at_accepted']['3']:.2f}x |" in table
 
 
 def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):

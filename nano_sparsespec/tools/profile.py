@@ -2,10 +2,10 @@
 speedup that follows.
 
 Owns `StepProfiler` (a plain, a draft, a verification and a balanced mixed step, the last two also
-keeping their selections (`verify_kept`, `mixed_kept`), of `batch` requests that hold `context`
-cached positions, run through the engine's own `ModelRunner` on a KV pool of random K/V, back to
-back as the engine's loop runs them, and where a step's device time goes, kernel by kernel), model
-shapes with random weights, and the speedup models: lock-step, balanced, and the ceiling,
+keeping their selections, for `--refresh-every`, of `batch` requests that hold `context` cached
+positions, run through the engine's own `ModelRunner` on a KV pool of random K/V, back to back as
+the engine's loop runs them, and where a step's device time goes, kernel by kernel), model shapes
+with random weights, and the speedup models: lock-step, balanced, and the ceiling,
 `balanced_speedup` over a plain step with one block of context (the part of a step that is not
 attention, which no drafter that runs the model's layers undercuts).
 """
@@ -310,8 +310,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             raise ValueError(f"unknown profile model {name!r}: "
                              f"expected 'model' or one of {list(MODEL_SHAPES)}")
         built = False
-        # batch -> (seconds, host seconds) of a plain step over one block of context at most
-        # (`balanced_speedup`)
+        # batch -> (seconds, host seconds) of a plain step over at most one block of context
         floors = {}
         for batch, context in shapes:
             entry = {"model": label, "batch": batch, "context": context, "stride": args.stride,
@@ -324,9 +323,8 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                                              loaded or built)
                 have = memory_available(device)
                 if need > 0.85 * have:
-                    entry["skipped"] = (f"needs ~{need / 2**30:.1f} GiB, "
-                                        f"{have / 2**30:.1f} GiB available on "
-                                        f"{device.type}")
+                    entry["skipped"] = (f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} "
+                                        f"GiB available on {device.type}")
             if "skipped" in entry:
                 print(f"profile {label} {batch}x{context}: skipped: {entry['skipped']}",
                       file=sys.stderr)
@@ -334,8 +332,8 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                 continue
             if model is None:
                 print(f"profile: building {label} with random weights "
-                      f"({parameter_count(cfg) / 1e9:.2f} B "
-                      f"parameters, {entry['dtype']}) ...", file=sys.stderr)
+                      f"({parameter_count(cfg) / 1e9:.2f} B parameters, {entry['dtype']}) ...",
+                      file=sys.stderr)
                 model, built = random_model(cfg, device, dtype, args.seed), True
             print(f"profile {label} {batch}x{context} ...", file=sys.stderr)
             prof = StepProfiler(model, batch, context, args.stride, device, dtype,
@@ -359,9 +357,8 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             # Above 1: balancing costs time.
             lockstep_mean = (args.stride * times["draft"] + times["verify"]) / (args.stride + 1)
             entry["mixed_over_lockstep_mean"] = round(times["mixed"] / lockstep_mean, 3)
-            entry["speedup_at_accepted"] = {
-                f"{a:g}": round(speedup_model(times["plain"], times["draft"],
-                                              times["verify"], args.stride, a), 3)
+            entry["speedup_at_accepted"] = {f"{a:g}": round(speedup_model(
+                times["plain"], times["draft"], times["verify"], args.stride, a), 3)
                 for a in accepted}
             if batch not in floors:
                 floor = StepProfiler(model, batch, floor_context, args.stride, device, dtype,
@@ -372,18 +369,21 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             entry["plain_floor"] = {"context": floor_context,
                                     "ms": round(floors[batch][0] * 1e3, 3),
                                     "host_ms": round(floors[batch][1] * 1e3, 3)}
-            entry["balanced_at_accepted"] = {
-                f"{a:g}": round(balanced_speedup(times["plain"], times["mixed"],
-                                                 args.stride, a), 3) for a in accepted}
-            entry["ceiling_at_accepted"] = {
-                f"{a:g}": round(balanced_speedup(times["plain"], floors[batch][0],
-                                                 args.stride, a), 3) for a in accepted}
+            entry["balanced_at_accepted"] = {f"{a:g}": round(balanced_speedup(
+                times["plain"], times["mixed"], args.stride, a), 3) for a in accepted}
+            if kept:   # the engine re-selects in one period in refresh_every: its mean mixed step
+                n = args.refresh_every
+                mean = (times["mixed"] + (n - 1) * times["mixed_kept"]) / n
+                entry["mixed_refreshed_ms"] = round(mean * 1e3, 3)
+                entry["balanced_refreshed_at_accepted"] = {f"{a:g}": round(balanced_speedup(
+                    times["plain"], mean, args.stride, a), 3) for a in accepted}
+            entry["ceiling_at_accepted"] = {f"{a:g}": round(balanced_speedup(
+                times["plain"], floors[batch][0], args.stride, a), 3) for a in accepted}
             if args.profile_kernels:
                 entry["kernels"] = {kind: prof.kernel_times(kind, args.profile_reps,
                                                              args.profile_kernels)
                                     for kind in ("plain", "draft", "verify", "mixed")}
-            # A replayed graph runs no Python per module: nothing to split.
-            if not args.cuda_graphs:
+            if not args.cuda_graphs:   # a replayed graph runs no Python per module: no split
                 entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
             results.append(entry)
             del prof

@@ -144,6 +144,20 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
                      + " | ".join(balanced) +
                      f" | {e['plain_floor']['ms']:.2f} ({e['plain_floor']['host_ms']:.2f}) | "
                      + " | ".join(ceiling) + " |")
+    refreshed = [e for e in profile if "mixed_refreshed_ms" in e]
+    if refreshed:
+        n = refreshed[0]["refresh_every"]
+        lines += ["", f"Verifications that keep their selections (`--refresh-every {n}`: the "
+                      f"engine re-selects in one period in {n}); mean mixed: (mixed + {n - 1} x "
+                      f"kept mixed) / {n}, the balanced step it runs on average:", "",
+                  "| model | batch x ctx | verify kept ms | mixed kept ms | mean mixed ms | "
+                  + " | ".join(f"balanced @ {a} acc." for a in accepted) + " |",
+                  "|" + "---|" * (5 + len(accepted))]
+        for e in refreshed:
+            balanced = [f"{e['balanced_refreshed_at_accepted'][a]:.2f}x" for a in accepted]
+            lines.append(f"| {e['model']} | {e['batch']} x {e['context']} | "
+                         f"{e['verify_kept']['ms']:.2f} | {e['mixed_kept']['ms']:.2f} | "
+                         f"{e['mixed_refreshed_ms']:.2f} | " + " | ".join(balanced) + " |")
     for e in (e for e in profile if "kernels" in e):
         lines += ["", f"Where the device time of a step goes, {e['model']} {e['batch']} x "
                       f"{e['context']} (ms per step; the kernels that take the most, calls per "
