@@ -206,9 +206,8 @@ def paged_kernel_shapes(buckets) -> set:
     and count), scored or not."""
     capacity = -(-CONTEXT_CAPACITY // BLOCK_SIZE) + 1        # a block table's width (runner.py)
     return {(paged_kernel.kernel_batch(b.dense_batch), b.dense_queries,
-             paged_kernel.paged_chunks(b.dense_blocks, capacity, BLOCK_SIZE,
-                                       paged_kernel.kernel_batch(b.dense_batch) * KV_HEADS,
-                                       b.dense_queries), b.scores)
+             paged_kernel.batch_chunks((b.dense_batch, b.dense_blocks), capacity, BLOCK_SIZE,
+                                       KV_HEADS, b.dense_queries), b.scores)
             for b in buckets if b.dense_batch and not b.dense_runs}
 
 

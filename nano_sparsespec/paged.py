@@ -70,13 +70,20 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
         return
     (_, _, mask, _), = d.runs
     capacity = max(ctx.context_capacity // ctx.block_size, d.block_table.shape[1])     # blocks
-    heads = kernel_batch(d.block_table.shape[0]) * ctx.k_cache.shape[2]      # requests x KV heads
     chunk, splits = (exact_chunks(capacity, ctx.block_size) if exact_rows else
-                     paged_chunks(d.block_table.shape[1], capacity, ctx.block_size, heads,
-                                  d.q_index.shape[1]))
+                     batch_chunks(d.block_table.shape, capacity, ctx.block_size,
+                                  ctx.k_cache.shape[2], d.q_index.shape[1]))
     d.block_mask = paged_block_mask(d.block_table, mask, d.q_start, d.q_valid, ctx.block_size,
                                     ctx.k_cache.shape[1], group, chunk, splits,
                                     full_blocks=not exact_rows)
+
+
+def batch_chunks(table_shape, capacity: int, block_size: int, kv_heads: int,
+                 rows: int) -> tuple[int, int]:
+    """`paged_chunks` of a dense batch whose block tables are table_shape (requests, blocks), as
+    the kernel attends it: padded to `kernel_batch`, each request with `kv_heads` KV heads."""
+    requests, blocks = table_shape
+    return paged_chunks(blocks, capacity, block_size, kernel_batch(requests) * kv_heads, rows)
 
 
 def paged_chunks(blocks: int, capacity: int, block_size: int, heads: int,
