@@ -162,23 +162,21 @@ def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: tor
     -> keep [B, L, n_kv, N] bool, by rank; with `start` [B], by column of a ring that holds rank r
     at column (start + r) mod selection_len (`attention.ring_span_writes`).
     A rank r that no extra position holds stays while r < kept_len + (held ranks below r): the
-    kept_len best of those not held, found from the few held ranks (no scan along the ranks)."""
+    kept_len best of those not held, each rank compared with the extras once."""
     B, N = selection.shape[0], selection.shape[-1]
     rank = torch.arange(N, device=selection.device)                              # [N]
     real = rank[None, :] < selection_len[:, None]                               # [B, N]
-    found = ((selection[:, :, :, None, :] == extra[:, None, None, :, None])     # [B, L, n_kv, M, N]
-             & (real[:, None, None, None, :] & extra_valid[:, None, None, :, None]))
-    # the rank each valid extra position holds in the selection, N where none: [B, L, n_kv, M]
-    held_rank = torch.where(found, rank, N).amin(-1)
+    held = ((selection[..., None] == extra[:, None, None, None, :])             # [B, L, n_kv, N, M]
+            & extra_valid[:, None, None, None, :]).any(-1) & real[:, None, None, :]
+    held_below = held.cumsum(-1) - held.int()                                   # [B, L, n_kv, N]
     if start is not None:                       # each column's rank: (column - start) mod width
         rank = torch.where(real, (rank - start[:, None]) % selection_len.clamp(min=1)[:, None],
                            rank)                                                # [B, N]
-    rank = rank.expand(B, N)[:, None, None, :, None]                            # [B, 1, 1, N, 1]
-    held = (held_rank[:, :, :, None, :] == rank).any(-1)                        # [B, L, n_kv, N]
-    held_below = (held_rank[:, :, :, None, :] < rank).sum(-1)                   # [B, L, n_kv, N]
+        at_column = rank[:, None, None, :].expand_as(held)                      # [B, L, n_kv, N]
+        held, held_below = held.gather(-1, at_column), held_below.gather(-1, at_column)
     kept_len = selection_len - extra_valid.sum(1)                               # [B]
     return (real[:, None, None, :] & ~held
-            & (rank[..., 0] < kept_len[:, None, None, None] + held_below))
+            & (rank.expand(B, N)[:, None, None, :] < kept_len[:, None, None, None] + held_below))
 
 
 def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
