@@ -267,7 +267,7 @@ def test_the_profile_drafts_with_the_rows_drafter(tiny_qwen3, tmp_path):
 def test_score_every_and_refresh_every_reach_the_rows_and_the_profile(tiny_qwen3, tmp_path):
     """--score-every and --refresh-every set the drafting rows' `SpecConfig` fields and the step profile's, which
     records them in each entry and with --refresh-every also times verification and mixed steps that keep their
-    selections."""
+    selections, and lists their kernels beside the others'."""
     args = bench.build_parser().parse_args(["--score-every", "2", "--refresh-every", "3"])
     specs = [bench_rows.spec_for(name, args, 10) for name in ("pillar-naive", "+async")]
     assert {(spec.score_every, spec.refresh_every) for spec in specs} == {(2, 3)}
@@ -276,12 +276,15 @@ def test_score_every_and_refresh_every_reach_the_rows_and_the_profile(tiny_qwen3
     out = tmp_path / "profile.json"
     argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48", "--profile-models", "model",
             "--stride", str(K), "--min-budget", "8", "--profile-reps", "1", "--profile-accepted", "3", "--device",
-            "cpu", "--threads", "1", "--score-every", "2", "--refresh-every", "2", "--json-out", str(out)]
+            "cpu", "--threads", "1", "--score-every", "2", "--refresh-every", "2", "--json-out", str(out),
+            "--profile-kernels", "2"]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     entry = result["profile"][0]
     assert (entry["score_every"], entry["refresh_every"]) == (2, 2)
     assert entry["verify_kept"]["ms"] > 0 and entry["mixed_kept"]["ms"] > 0
+    assert set(entry["kernels"]) == {"plain", "draft", "verify", "mixed", "verify_kept", "mixed_kept"}
+    assert len(entry["kernels"]["mixed_kept"]["top"]) == 2
     # the balanced step the engine runs on average: one re-selecting period in 2
     mean = (entry["mixed"]["ms"] + entry["mixed_kept"]["ms"]) / 2
     assert entry["mixed_refreshed_ms"] == pytest.approx(mean, abs=2e-3)

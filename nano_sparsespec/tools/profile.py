@@ -341,8 +341,8 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
                                 args.cuda_graphs, args.block_size, args.pillar_method,
                                 args.score_every)
             kept = ("verify_kept", "mixed_kept") if args.refresh_every > 1 else ()
-            measured = prof.measure(args.profile_reps, kinds=("plain", "draft", "verify", "mixed")
-                                    + kept)
+            kinds = ("plain", "draft", "verify", "mixed") + kept
+            measured = prof.measure(args.profile_reps, kinds=kinds)
             times = {kind: seconds for kind, (seconds, _) in measured.items()}
             nbytes = prof.step_bytes()
             entry["budget"], entry["drafter"] = prof.budget, args.pillar_method
@@ -382,7 +382,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             if args.profile_kernels:
                 entry["kernels"] = {kind: prof.kernel_times(kind, args.profile_reps,
                                                              args.profile_kernels)
-                                    for kind in ("plain", "draft", "verify", "mixed")}
+                                    for kind in kinds}
             if not args.cuda_graphs:   # a replayed graph runs no Python per module: no split
                 entry["plain_breakdown_ms"] = prof.plain_breakdown(args.profile_reps)
             results.append(entry)
