@@ -681,7 +681,6 @@ def test_pillars_from_gqa_averaged_probabilities():
         k[0, p, :, p] = 1.0
     q = torch.zeros(1, Q, H, Dk)
     q[0, :, :, :L] = probs.log().permute(1, 0, 2) * math.sqrt(Dk)          # logit of position p = log probs[p]
-    v = torch.randn(1, L, N_KV, Dk)
     mask = torch.ones(1, Q, L, dtype=torch.bool)
     weight = torch.tensor([[1.0, 0.0]])
     scores = pillar_scores(q, k, mask, weight)                              # [1, n_kv, L]
