@@ -166,9 +166,10 @@ def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: tor
     B, N = selection.shape[0], selection.shape[-1]
     rank = torch.arange(N, device=selection.device)                              # [N]
     real = rank[None, :] < selection_len[:, None]                               # [B, N]
-    held = ((selection[..., None] == extra[:, None, None, None, :])             # [B, L, n_kv, N, M]
+    # by rank, whether a valid extra position holds it: [B, L, n_kv, N] (compared [..., N, M])
+    held = ((selection[..., None] == extra[:, None, None, None, :])
             & extra_valid[:, None, None, None, :]).any(-1) & real[:, None, None, :]
-    held_below = held.cumsum(-1) - held.int()                                   # [B, L, n_kv, N]
+    held_below = held.cumsum(-1) - held.int()              # held ranks below each: [B, L, n_kv, N]
     if start is not None:                       # each column's rank: (column - start) mod width
         rank = torch.where(real, (rank - start[:, None]) % selection_len.clamp(min=1)[:, None],
                            rank)                                                # [B, N]
