@@ -77,6 +77,7 @@ x = torch.randn(10, 12, 64, device=device).bfloat16()
 cos, sin = torch.randn(2, 10, 1, 32, device=device).unbind(0)
 report("RoPE, rows 2 against 10", {2: torch.equal(model._ops["apply_rope"](x, cos, sin)[3:5],
                                                    model._ops["apply_rope"](x[3:5], cos[3:5], sin[3:5]))})
-h, w = torch.randn(10, 576, device=device).bfloat16(), torch.randn(576, device=device).bfloat16()
-report("RMS norm, rows 2 against 10", {2: torch.equal(model._ops["rms_norm"](h, w, 1e-5)[3:5],
-                                                       model._ops["rms_norm"](h[3:5], w, 1e-5))})
+h, w = torch.randn(4608, 576, device=device).bfloat16(), torch.randn(576, device=device).bfloat16()
+norm = model._ops["rms_norm"]
+report("RMS norm, the first 2 rows of 3..4608 against 2 alone",
+       {m: torch.equal(norm(h[:m], w, 1e-5)[:2], norm(h[:2], w, 1e-5)) for m in (3, 9, 10, 64, 512, 4608)})

@@ -12,8 +12,8 @@ Owns
     and verification read the pool in place, scores come from swapped_scores.py's pass, and
     drafts read their draft-buffer rows in place through flex_drafts.py. `paged.paged_dense` runs
     three pieces, each compiled as a whole graph (a graph break's resume function recompiles).
-  * `compile_elementwise`: the model's norms, RoPE and SiLU, fused, for static sizes but the
-    token rows.
+  * `compile_elementwise`: the model's norms (a row reduced in one pass: one kernel a norm),
+    RoPE and SiLU, fused, for static sizes but the token rows.
   * `use_eager_kernels` (the reference) and `use_paged_reference` (paged.py's kernel with
     uncompiled flex_attention: torch's reference implementation over the whole pool, which the
     CPU tests run on tiny pools).
@@ -21,6 +21,8 @@ Owns
 Must not change what the eager path computes, or shape it.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -106,9 +108,21 @@ ELEMENTWISE_ROWS = {"rms_norm": (0,), "add_rms_norm": (0, 1), "apply_rope": (0, 
 def compile_elementwise() -> None:
     """Swap torch.compile'd (fused) versions into the model's elementwise table (norms, RoPE,
     SiLU), equal up to float rounding: static sizes but the token rows (`_static_but`), so a
-    step's row count recompiles nothing and no element's index needs a runtime division."""
+    step's row count recompiles nothing and no element's index needs a runtime division. The
+    norms reduce a row in one pass (`one_pass_mean_of_squares`)."""
+    pieces = dict(model._eager_ops)
+    for name in ("rms_norm", "add_rms_norm"):
+        pieces[name] = functools.partial(pieces[name], mean_sq=one_pass_mean_of_squares)
     model._ops.update({name: _static_but(fn, {i: (0,) for i in ELEMENTWISE_ROWS[name]})
-                       for name, fn in model._eager_ops.items()})
+                       for name, fn in pieces.items()})
+
+
+def one_pass_mean_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> mean of x^2 over the last dimension [..., 1], in one reduction. Compiled into
+    a norm, the reduction and the scaling become one kernel (the eager reference's fixed chunks,
+    summed in order, take three); that kernel, compiled once for every row count, reduces each
+    row alike whatever the rows beside it."""
+    return x.pow(2).mean(-1, keepdim=True)
 
 
 def _static_but(fn, dynamic_dims: dict[int, tuple[int, ...]], small_batch_arg: int | None = None,

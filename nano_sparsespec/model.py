@@ -29,17 +29,19 @@ from .config import ModelConfig
 # The eager versions are the reference; the fast path swaps in fused ones
 # (`kernels.compile_elementwise`).
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (HF Qwen3 order)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             mean_sq=mean_of_squares) -> torch.Tensor:
+    """x: [..., dim] -> RMS-normalised in float32, cast back, scaled by weight (HF Qwen3 order);
+    mean_sq: the row reduction, [..., dim] -> [..., 1] (the fast path passes its own)."""
     xf = x.float()
-    return weight * (xf * torch.rsqrt(mean_of_squares(xf) + eps)).to(x.dtype)
+    return weight * (xf * torch.rsqrt(mean_sq(xf) + eps)).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 mean_sq=mean_of_squares) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)), [..., dim] each: the residual add fused into the norm."""
     x = x + delta
-    return x, rms_norm(x, weight, eps)
+    return x, rms_norm(x, weight, eps, mean_sq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
