@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental import _config as shapes_config
 
 from .config import SamplingParams
@@ -30,6 +31,7 @@ SALT_ACCEPT = 2    # a draft's accept test
 SALT_RESIDUAL = 3  # a recovered token
 
 _M32 = 0xFFFFFFFF
+CDF_BLOCK = 128    # tokens per block of the two-level inverse CDF (`_inverse_cdf`)
 
 
 # ---- counter-based randomness --------------------------------------------------------------------
@@ -176,12 +178,24 @@ def _(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row: probs Float[N, V] (>= 0, any sum), u Float[N] in (0, 1) -> Long[N]."""
-    cdf = _cdf(probs)                             # [N, V]
-    target = (u * cdf[:, -1])[:, None]            # [N, 1], < total since u < 1
-    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first i: cdf[i] > target
-    token = token.clamp_max(probs.shape[-1] - 1)  # guard: rounding at the top end
-    # guard: a (parallel) cumsum that is not exactly monotone could land on a zero-probability token
+    """One token per row: probs Float[N, V] (>= 0, any sum), u Float[N] in (0, 1) -> Long[N]:
+    the first token whose cumulative mass exceeds u x the row's total.
+
+    In two levels, so that no cumulative sum runs over the whole vocabulary: the blocks of
+    CDF_BLOCK tokens' running masses find the block, then the running mass within it the token."""
+    N, V = probs.shape
+    blocks = F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs
+    blocks = blocks.view(N, -1, CDF_BLOCK)                               # [N, nb, C]
+    block_cdf = _cdf(blocks.sum(-1))                                     # [N, nb]
+    target = (u * block_cdf[:, -1])[:, None]                             # [N, 1], < total
+    # first block whose running mass exceeds the target (guard: rounding at the top end)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_max(blocks.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)  # [N, 1]
+    within = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]      # [N, C]
+    cdf = before + _cdf(within)                                          # [N, C]
+    column = torch.searchsorted(cdf, target, right=True).clamp_max(CDF_BLOCK - 1)     # [N, 1]
+    token = (block * CDF_BLOCK + column).squeeze(-1).clamp_max(V - 1)    # [N]
+    # guard: rounding (two sums of a block's mass) could land on a zero-probability token
     ok = probs.gather(-1, token[:, None]).squeeze(-1) > 0
     return torch.where(ok, token, probs.argmax(-1))
 

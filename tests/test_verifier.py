@@ -293,6 +293,24 @@ def test_sample_matches_probs():
     assert_distribution(counts_of(sample(probs.expand(N, V), st1, torch.arange(N), SALT_TARGET), V), probs.numpy())
 
 
+@pytest.mark.parametrize("V", [vf.CDF_BLOCK * 3, vf.CDF_BLOCK * 5 + 37])
+def test_inverse_cdf_in_two_levels_finds_the_vocabulary_wide_token(V):
+    """The first token whose cumulative mass exceeds u x total, as a cumulative sum over the whole vocabulary finds
+    it, over several blocks (whole and a partial last one), with zero-probability tokens and a block of zeros."""
+    g = torch.Generator().manual_seed(5)
+    N = 2_000
+    probs = torch.rand(N, V, generator=g) ** 4
+    probs[torch.rand(N, V, generator=g) < 0.7] = 0.0
+    probs[:, vf.CDF_BLOCK:2 * vf.CDF_BLOCK] = 0.0
+    probs[:N // 2, 0] += 1e-3                                      # every row has mass
+    probs[N // 2:, -1] += 1e-3
+    u = torch.rand(N, generator=g, dtype=torch.float64).float().clamp(1e-7, 1 - 1e-7)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    got = vf._inverse_cdf(probs, u)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+    assert int((got != want).sum()) <= 2       # float32 sums: a uniform on a rounded boundary (measured: none)
+
 def test_sample_greedy_and_edges():
     probs = torch.tensor([[0.1, 0.5, 0.4], [0.0, 0.0, 1.0], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]])
     st = st_of([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
