@@ -202,11 +202,14 @@ class CausalLM(nn.Module):
             x, delta = layer(x, delta, rope, ctx)
         return self.norm.add_forward(x, delta)[1]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, vocab] in float32 (sampling and verification want it)
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32):
+        """hidden [N, hidden] -> logits [N, vocab] in `dtype` (float32: what sampling wants), or
+        with None in the weights' dtype (the engine's sampler casts them as it reads them)."""
         if self.lm_head is None:                                 # tied to the embedding
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            out = linear(hidden, self.embed_tokens.weight)
+        else:
+            out = self.lm_head(hidden)
+        return out if dtype is None else out.to(dtype)
 
     @torch.inference_mode()
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -60,5 +60,6 @@ class Readout:
         drafts = self.draft_logit_row if self.draft_row is not None else none
         checks = self.check_logit_rows.flatten() if self.check_row is not None else none
         lead = checks if checks.shape[0] else drafts[:1]
-        logits = model.logits(hidden[torch.cat([lead, drafts])])        # [Bv * (M+1) + Nd, V]
+        # [Bv * (M+1) + Nd, V] in the weights' dtype: the sampler casts as it reads
+        logits = model.logits(hidden[torch.cat([lead, drafts])], dtype=None)
         return logits[lead.shape[0]:], logits[:checks.shape[0]]

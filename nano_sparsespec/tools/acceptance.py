@@ -101,8 +101,8 @@ class _BannedLogits:
     def __call__(self, *args, **kwargs):
         return self._model(*args, **kwargs)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self._model.logits(hidden)
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32):
+        out = self._model.logits(hidden, dtype)
         if self.histories is None:
             return out
         if len(self.histories) != out.shape[0]:
