@@ -190,7 +190,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * block_cdf[:, -1])[:, None]                             # [N, 1], < total
     # first block whose running mass exceeds the target (guard: rounding at the top end)
     block = torch.searchsorted(block_cdf, target, right=True).clamp_max(blocks.shape[1] - 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)  # [N, 1]
+    before = F.pad(block_cdf, (1, 0)).gather(1, block)          # [N, 1] the blocks' mass before it
     within = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]      # [N, C]
     cdf = before + _cdf(within)                                          # [N, C]
     column = torch.searchsorted(cdf, target, right=True).clamp_max(CDF_BLOCK - 1)     # [N, 1]

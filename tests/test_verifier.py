@@ -311,6 +311,7 @@ def test_inverse_cdf_in_two_levels_finds_the_vocabulary_wide_token(V):
     assert (probs.gather(1, got[:, None]) > 0).all()
     assert int((got != want).sum()) <= 2       # float32 sums: a uniform on a rounded boundary (measured: none)
 
+
 def test_sample_greedy_and_edges():
     probs = torch.tensor([[0.1, 0.5, 0.4], [0.0, 0.0, 1.0], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]])
     st = st_of([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
