@@ -197,6 +197,11 @@ class SpecConfig:
                    together, with none waiting or offloaded, the requests left decode plainly
                    (0: never): a step over few requests costs about its floor, which drafts
                    cannot undercut (Scheduler)
+    finish_quantile
+                   before that, with none waiting or offloaded, a request that would finish after
+                   the request at this quantile of the batch's projected finishes even decoding
+                   plainly from now on decodes plainly (1: never), so that the least accepting
+                   requests do not drain alone (plain_tail.py)
     kv_blocks      device KV pool size in blocks (None: sized for the whole batch; small: offload)
     block_size     tokens per KV block
     prefill_chunk  prompt tokens per step over all prefilling requests (chunked prefill)
@@ -217,6 +222,7 @@ class SpecConfig:
     async_verify: bool = False
     draft_ahead: bool = True
     plain_tail: float = 0.125
+    finish_quantile: float = 0.9
     kv_blocks: int | None = None
     block_size: int = 64
     prefill_chunk: int = 2048
@@ -264,6 +270,9 @@ class SpecConfig:
                              f"expected one of {BATCH_POLICIES}")
         if not (isinstance(self.plain_tail, (int, float)) and 0.0 <= self.plain_tail < 1.0):
             raise ValueError(f"plain_tail must be in [0, 1), got {self.plain_tail!r}")
+        if not (isinstance(self.finish_quantile, (int, float))
+                and 0.0 <= self.finish_quantile <= 1.0):
+            raise ValueError(f"finish_quantile must be in [0, 1], got {self.finish_quantile!r}")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"kv_blocks must be >= 1, got {self.kv_blocks!r}")
         if self.block_size < 1 or self.prefill_chunk < 1 or self.max_batch < 1:

@@ -23,11 +23,8 @@ n-gram verify every step; with delayed verification plain decoding runs ahead in
 verifications of period step // P re-select their critical positions (`Work.reselects`) when n
 divides it, and keep their selections in the n - 1 periods between.
 
-Plain tail: once the decoding requests fall below `SpecConfig.plain_tail` of the most that decoded
-together, with none waiting or offloaded, the requests left stop drafting for good: each verifies
-its pending drafts, then decodes plainly, one token every step, running ahead on the token in
-flight like plain decoding. A step over so few requests costs about its floor, where a cycle of
-k + 1 steps (k + 2 delayed) that yields at most accepted + 1 tokens cannot beat one token a step.
+Plain tail: near a run's end, requests for which drafting no longer pays decode plainly, one token
+every step (`plain_tail`).
 
 Offload: when a step's KV does not fit, the latest-admitted request with no result in flight moves
 wholly to the host pool, keeping its phase; offloaded requests return first-out first-in once they
@@ -42,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
+from . import plain_tail
 from .config import SamplingParams, SpecConfig
 from .kv_cache import KVCache
 
@@ -70,6 +68,7 @@ class Sequence:
     num_drafts: int = 0                 # model drafts made since the last verification
     drafted_ahead: bool = False         # drafted while its verification's result was in flight
     decodes_plainly: bool = False       # in the plain tail: it drafts no more (Scheduler)
+    decoding_since: int = 0             # the first step it could decode in (after its prefill)
     ngram_drafts: list[int] = field(default_factory=list)
     row: int = -1                       # row in the engine's per-request device buffers
     token_limit: int = 0                # tokens it may hold: final_length, which
@@ -189,7 +188,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished with `reason` and release its KV, its row and its verify slot."""
-        held_slot = seq.status == Status.RUNNING
+        held_slot = seq.status == Status.RUNNING and not seq.decodes_plainly
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.cache.free(seq.seq_id)
         if seq in self.running:
@@ -203,11 +202,11 @@ class Scheduler:
         """Give `seq`, whose prefill's result is being processed, its verify slot: 0 when naive;
         when balanced the least-loaded slot, on a tie one it reaches without waiting, then the
         lowest."""
+        first = seq.decoding_since = self.step + 1          # the first step it can act in
         if self.spec.batch_policy == "naive" or self.period == 1:
             seq.verify_slot = 0
             return
         load = Counter(s.verify_slot for s in self._slot_holders() if s is not seq)
-        first = self.step + 1                  # the first step it can act in
 
         def waits(slot: int) -> bool:
             return (slot - first) % self.period > self.drafts_per_cycle
@@ -228,8 +227,9 @@ class Scheduler:
             mover.verify_slot = slot
 
     def _slot_holders(self) -> list[Sequence]:
-        """The requests that hold a verify slot: decoding ones, also while offloaded."""
-        return [s for s in self.running + self.offloaded if s.status != Status.PREFILL]
+        """The requests that hold a verify slot: drafting ones, also while offloaded."""
+        return [s for s in self.running + self.offloaded
+                if s.status != Status.PREFILL and not s.decodes_plainly]
 
     def action(self, seq: Sequence, step: int) -> str:
         """What a prefilled request does at global step `step`: verify, draft, wait, stall,
@@ -297,17 +297,17 @@ class Scheduler:
         return works
 
     def _enter_plain_tail(self) -> None:
-        """Mark the decoding requests plain once they are under `plain_tail` of the most that
-        decoded together and none wait or are offloaded (drafting methods only)."""
+        """Mark the decoding requests that decode plainly from now on (drafting methods only)."""
         if self.drafts_per_cycle == 0:
             return
         running = Status.RUNNING
         decoding = [s for s in self.running if s.status is running]
         self.most_decoding = max(self.most_decoding, len(decoding))
-        if (not self.waiting and not self.offloaded
-                and len(decoding) < self.spec.plain_tail * self.most_decoding):
-            for seq in decoding:
-                seq.decodes_plainly = True
+        if self.waiting or self.offloaded:
+            return
+        for seq in plain_tail.mark_plain(decoding, self.most_decoding, self.spec, self.step,
+                                         self.period):
+            self._fill_gap(seq.verify_slot)        # it verifies every step from now on
 
     def _plan(self, step: int) -> list[Work]:
         works, prefill_budget = [], self.spec.prefill_chunk

@@ -16,7 +16,8 @@ def test_the_sweep_measures_whole_texts_with_no_plain_tail():
     """Acceptance over whole texts: even with many prompts, no request stops drafting near the end of the sweep."""
     args = build_parser().parse_args(["--methods", "pillar,pillar-lookup,streaming", "--temperatures", "0,0.6"])
     configs = build_configs(args, [parse_method(m) for m in args.methods.split(",")], batch=512)
-    assert len(configs) == 6 and all(spec.plain_tail == 0 and spec.max_batch == 512 for _, spec, _ in configs)
+    assert len(configs) == 6 and all(spec.plain_tail == 0 and spec.finish_quantile == 1 and spec.max_batch == 512
+                                     for _, spec, _ in configs)
 
 
 def test_no_repeat_ngram_bans_repeats_in_drafts_and_verification(tiny_qwen3, prompts):

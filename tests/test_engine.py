@@ -254,15 +254,17 @@ def test_balanced_staggers_verifications_and_naive_locks_step(tiny_qwen3):
 
 
 def verifications_per_step(llm, prompts, params) -> list[tuple[int, int, int]]:
-    """Run `llm`; for every step with decoding requests: (step, verifications, decoding requests)."""
+    """Run `llm`; for every step with drafting requests: (step, their verifications, drafting requests). (A request
+    that decodes plainly near the end verifies every step and holds no verify slot.)"""
     from nano_sparsespec.scheduler import Status
 
     steps = []
 
     def on_step(event):
-        decoding = sum(s.status == Status.RUNNING for s in event.running)
-        if decoding:
-            steps.append((event.step, sum(w.kind == "verify" for w in event.works), decoding))
+        drafting = sum(s.status == Status.RUNNING and not s.decodes_plainly for s in event.running)
+        if drafting:
+            steps.append((event.step, sum(w.kind == "verify" and not w.seq.decodes_plainly for w in event.works),
+                          drafting))
 
     llm.generate(None, params, prompt_token_ids=prompts, on_step=on_step)
     return steps
@@ -303,7 +305,7 @@ def test_the_plain_tail_decodes_a_token_every_step_losslessly(tiny_qwen3, cuda_g
     requests left verify their pending drafts and draft no more: with delayed verification each then has a one-token
     verification in every step until its last (it runs ahead on the token in flight instead of stalling). Greedy
     output equals plain decoding's, with and without the padded (CUDA-graph) steps; with plain_tail 0 no request
-    decodes plainly and the last one drafts to its end, in more steps."""
+    decodes plainly and the last one drafts to its end, in more steps. (No catch-up: `test_plain_tail.py`.)"""
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (16,), generator=g)]
     new_tokens = torch.randint(10, 40, (16,), generator=g).tolist()
@@ -320,8 +322,8 @@ def test_the_plain_tail_decodes_a_token_every_step_losslessly(tiny_qwen3, cuda_g
             steps.append(({w.seq.seq_id: (w.kind, w.num_tokens) for w in event.works},
                           {s.seq_id for s in event.running if s.decodes_plainly}))
         llm = LLM(str(tiny_qwen3[0]), method="pillar-lookup", stride=4, min_budget=8, budget_ratio=0.1,
-                  batch_policy="balanced", async_verify=True, plain_tail=plain_tail, cuda_graphs=cuda_graphs,
-                  **options)
+                  batch_policy="balanced", async_verify=True, plain_tail=plain_tail, finish_quantile=1.0,
+                  cuda_graphs=cuda_graphs, **options)
         outs = llm.generate(None, params, prompt_token_ids=prompts, on_step=on_step)
         assert [o.token_ids for o in outs] == plain
         tail = set().union(*(plainly for _, plainly in steps))

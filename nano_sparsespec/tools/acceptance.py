@@ -333,7 +333,7 @@ def build_configs(args, methods: list[tuple[str, dict]],
             for ratio, min_budget in budgets:
                 # every request drafts to its end (no plain tail): acceptance over whole texts
                 fields = dict(method=name, stride=args.stride, batch_policy="naive",
-                              max_batch=max(64, batch), plain_tail=0.0)
+                              max_batch=max(64, batch), plain_tail=0.0, finish_quantile=1.0)
                 if ratio is not None:
                     fields.update(budget_ratio=ratio, min_budget=min_budget)
                 configs.append((label, SpecConfig(**{**fields, **overrides}), temperature))

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-tail", type=float, default=SpecConfig.plain_tail,
                    help="drafting rows: the requests left decode plainly once fewer than this "
                         "share of the most that decoded together remain (0: never)")
+    p.add_argument("--finish-quantile", type=float, default=SpecConfig.finish_quantile,
+                   help="drafting rows: a request that would finish after this quantile of the "
+                        "batch even decoding plainly decodes plainly (1: never)")
     p.add_argument("--score-every", type=int, default=SpecConfig.score_every,
                    help="pillar drafters: PillarAttn scores every n-th layer only, the layers "
                         "between take the selection of the scored one before them")
@@ -199,6 +202,7 @@ def _run(args, argv: list[str]) -> int:
         # Validate early.
         SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio, min_budget=args.min_budget,
                    block_size=args.block_size, plain_tail=args.plain_tail,
+                   finish_quantile=args.finish_quantile,
                    score_every=args.score_every, refresh_every=args.refresh_every)
         if args.tensor_parallel > 1 and args.profile_steps:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} with --profile-steps: "

@@ -296,7 +296,8 @@ def spec_for(name: str, args, kv_blocks: int) -> SpecConfig:
     return SpecConfig(stride=args.stride, budget_ratio=args.budget_ratio,
                       min_budget=args.min_budget, max_batch=args.batch_size,
                       prefill_chunk=args.prefill_chunk, block_size=args.block_size,
-                      plain_tail=args.plain_tail, draft_ahead=not args.no_draft_ahead,
+                      plain_tail=args.plain_tail, finish_quantile=args.finish_quantile,
+                      draft_ahead=not args.no_draft_ahead,
                       score_every=args.score_every, refresh_every=args.refresh_every,
                       kv_blocks=kv_blocks if offload else None, **fields)
 
