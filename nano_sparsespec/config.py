@@ -222,7 +222,7 @@ class SpecConfig:
     async_verify: bool = False
     draft_ahead: bool = True
     plain_tail: float = 0.125
-    finish_quantile: float = 0.9
+    finish_quantile: float = 0.95
     kv_blocks: int | None = None
     block_size: int = 64
     prefill_chunk: int = 2048
