@@ -299,49 +299,6 @@ def test_balanced_verifies_about_b_over_p_requests_every_step(tiny_qwen3, async_
         assert not off, f"(step, verifications, B / P) not floor or ceil of B / P: {off[:12]}"
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_the_plain_tail_decodes_a_token_every_step_losslessly(tiny_qwen3, cuda_graphs):
-    """Once the decoding requests fall below `plain_tail` of the most that decoded together, none waiting, the
-    requests left verify their pending drafts and draft no more: with delayed verification each then has a one-token
-    verification in every step until its last (it runs ahead on the token in flight instead of stalling). Greedy
-    output equals plain decoding's, with and without the padded (CUDA-graph) steps; with plain_tail 0 no request
-    decodes plainly and the last one drafts to its end, in more steps. (No catch-up: `test_plain_tail.py`.)"""
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (16,), generator=g)]
-    new_tokens = torch.randint(10, 40, (16,), generator=g).tolist()
-    new_tokens[3], new_tokens[8], new_tokens[13] = 120, 100, 90     # three long requests: the tail
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new_tokens]
-    options = dict(device="cpu", dtype="float32", block_size=16, max_batch=16, prefill_chunk=64)
-    plain = [o.token_ids for o in LLM(str(tiny_qwen3[0]), method="plain", **options).generate(
-        None, params, prompt_token_ids=prompts)]
-    step_counts = []
-    for plain_tail in (0.25, 0.0):
-        steps = []   # per step: {request: (kind, tokens)}, the requests decoding plainly
-
-        def on_step(event):
-            steps.append(({w.seq.seq_id: (w.kind, w.num_tokens) for w in event.works},
-                          {s.seq_id for s in event.running if s.decodes_plainly}))
-        llm = LLM(str(tiny_qwen3[0]), method="pillar-lookup", stride=4, min_budget=8, budget_ratio=0.1,
-                  batch_policy="balanced", async_verify=True, plain_tail=plain_tail, finish_quantile=1.0,
-                  cuda_graphs=cuda_graphs, **options)
-        outs = llm.generate(None, params, prompt_token_ids=prompts, on_step=on_step)
-        assert [o.token_ids for o in outs] == plain
-        tail = set().union(*(plainly for _, plainly in steps))
-        step_counts.append(len(steps))
-        if plain_tail == 0:
-            assert not tail and any(works.get(3, ("",))[0] == "draft" for works, _ in steps[-8:])
-            continue
-        assert tail == {3, 8, 13}        # 16 x 0.25: the last three
-        for seq_id in tail:
-            marked = next(i for i, (_, plainly) in enumerate(steps) if seq_id in plainly)
-            own = [(i, works[seq_id]) for i, (works, _) in enumerate(steps) if seq_id in works]
-            assert all(kind != "draft" for i, (kind, _) in own if i >= marked)
-            first_plain = next(i for i, work in own if i >= marked and work == ("verify", 1))
-            assert [i for i, _ in own if i >= first_plain] == list(range(first_plain, own[-1][0] + 1))
-            assert own[-1][0] - first_plain >= 40
-    assert step_counts[0] < step_counts[1], step_counts      # one token a step beats a cycle's tokens
-
-
 @pytest.mark.parametrize("method,cuda_graphs", [("pillar-lookup", False), ("pillar-lookup", True),
                                                 ("streaming", False)])
 def test_drafting_ahead_removes_the_stall(tiny_qwen3, method, cuda_graphs):
