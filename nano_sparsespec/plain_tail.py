@@ -9,10 +9,10 @@ like plain decoding (`Scheduler.action`).
 - Plain tail: once the decoding requests fall below `SpecConfig.plain_tail` of the most that decoded
   together, all of them. A step over so few requests costs about its floor, which drafts cannot
   undercut.
-- Catch-up: before that, once a period, each request that would finish after the batch's
-  `SpecConfig.finish_quantile` request even decoding plainly from now on, each at the rate it has
-  made tokens. The least accepting requests would otherwise finish far behind the bulk, alone in
-  steps that cost about the floor; plainly they finish with it, at a higher cost a token.
+- Catch-up: before that, once a period, each request that, even decoding plainly from now on,
+  would finish after the batch's `SpecConfig.finish_quantile` request (each projected at the rate
+  it has made tokens). The least accepting requests would otherwise finish far behind the bulk,
+  alone in steps that cost about the floor; plainly they finish with it, at a higher cost a token.
 
 The tokens a request has left are counted to its `token_limit` (max_new_tokens or the context end):
 a request that ends early on EOS may switch early. Output is the same either way.
@@ -39,7 +39,9 @@ def mark_plain(decoding: list[Sequence], most_decoding: int, spec: SpecConfig, s
     elif spec.finish_quantile < 1 and step % period == 0:
         measured = [s for s in decoding if step - s.decoding_since >= MEASURED_PERIODS * period]
         steps = sorted(steps_to_finish(s, step) for s in measured)
-        deadline = steps[int(spec.finish_quantile * (len(steps) - 1))] if steps else 0   # the bulk's end
+        if not steps:
+            return []
+        deadline = steps[int(spec.finish_quantile * (len(steps) - 1))]    # the bulk's end
         chosen = [s for s in measured if tokens_left(s) >= deadline]
     else:
         return []

@@ -67,7 +67,7 @@ class Sequence:
     verify_slot: int = 0
     num_drafts: int = 0                 # model drafts made since the last verification
     drafted_ahead: bool = False         # drafted while its verification's result was in flight
-    decodes_plainly: bool = False       # in the plain tail: it drafts no more (Scheduler)
+    decodes_plainly: bool = False       # near the run's end it drafts no more (plain_tail.py)
     decoding_since: int = 0             # the first step it could decode in (after its prefill)
     ngram_drafts: list[int] = field(default_factory=list)
     row: int = -1                       # row in the engine's per-request device buffers
