@@ -326,8 +326,9 @@ def test_bad_arguments(tiny_qwen3, capsys):
 
 
 def test_the_drafting_rows_take_the_plain_tail():
-    args = bench.build_parser().parse_args(["--plain-tail", "0.5"])
+    args = bench.build_parser().parse_args(["--plain-tail", "0.5", "--finish-quantile", "0.8"])
     assert {bench_rows.spec_for(name, args, 10).plain_tail for name in ("pillar-naive", "+async")} == {0.5}
+    assert {bench_rows.spec_for(name, args, 10).finish_quantile for name in ("pillar-naive", "+async")} == {0.8}
     default = bench.build_parser().parse_args([])
     assert bench_rows.spec_for("+async", default, 10).plain_tail == SpecConfig.plain_tail > 0
 
