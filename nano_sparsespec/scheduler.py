@@ -303,10 +303,10 @@ class Scheduler:
         running = Status.RUNNING
         decoding = [s for s in self.running if s.status is running]
         self.most_decoding = max(self.most_decoding, len(decoding))
-        if self.waiting or self.offloaded:
+        if self.offloaded:
             return
-        for seq in plain_tail.mark_plain(decoding, self.most_decoding, self.spec, self.step,
-                                         self.period):
+        for seq in plain_tail.mark_plain(decoding, self.waiting, self.most_decoding, self.spec,
+                                         self.step, self.period):
             self._fill_gap(seq.verify_slot)        # it verifies every step from now on
 
     def _plan(self, step: int) -> list[Work]:

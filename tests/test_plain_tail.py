@@ -36,18 +36,38 @@ def marked_names(requests: dict[str, Sequence]) -> set[str]:
 def test_the_catch_up_marks_the_requests_that_would_finish_after_the_bulk_even_plainly():
     spec = SpecConfig(method="pillar-lookup", plain_tail=0.125, finish_quantile=0.9)
     requests = batch()
-    mark_plain(list(requests.values()), 13, spec, 451, PERIOD)          # not a period's first step
+    mark_plain(list(requests.values()), [], 13, spec, 451, PERIOD)          # not a period's first step
     assert marked_names(requests) == set()
-    mark_plain(list(requests.values()), 13, spec, 450, PERIOD)
+    mark_plain(list(requests.values()), [], 13, spec, 450, PERIOD)
     assert marked_names(requests) == {"slow"}
     never = batch()
-    mark_plain(list(never.values()), 13, SpecConfig(method="pillar-lookup", finish_quantile=1.0), 450, PERIOD)
+    mark_plain(list(never.values()), [], 13, SpecConfig(method="pillar-lookup", finish_quantile=1.0), 450, PERIOD)
     assert marked_names(never) == set()
 
 
-def test_the_plain_tail_marks_every_request_once_few_are_left():
+def waiting_requests(count: int, new_tokens: int) -> list[Sequence]:
+    return [Sequence(100 + i, [1] * 10, SamplingParams(max_new_tokens=new_tokens), seed=0) for i in range(count)]
+
+
+def test_with_requests_waiting_the_catch_up_projects_when_each_row_frees():
+    """Each waiting request goes to the row that frees first, at the measured requests' median rate (1.125 steps a
+    token: 600 tokens take 675 steps). One takes bulk 0's row, which then frees at step 450 + 899: even were bulk 0
+    to decode plainly, after the deadline (behind's row, 259 steps): bulk 0 and slow are marked. Two take two bulk
+    rows (899), after slow's (898), which is then the deadline: none is marked. More waiting than decoding: every row
+    takes one, and the catch-up waits."""
+    spec = SpecConfig(method="pillar-lookup", plain_tail=0.125, finish_quantile=0.9)
+    for waiting, marked in ((1, {"bulk 0", "slow"}), (2, set()), (14, set())):
+        requests = batch()
+        mark_plain(list(requests.values()), waiting_requests(waiting, 600), 13, spec, 450, PERIOD)
+        assert marked_names(requests) == marked, waiting
+
+
+def test_the_plain_tail_marks_every_request_once_few_are_left_and_none_wait():
+    spec = SpecConfig(method="pillar-lookup", finish_quantile=1.0)
     requests = batch()              # 13 decoding, under an eighth of the 200 that decoded together
-    mark_plain(list(requests.values()), 200, SpecConfig(method="pillar-lookup", finish_quantile=1.0), 451, PERIOD)
+    mark_plain(list(requests.values()), waiting_requests(1, 600), 200, spec, 451, PERIOD)
+    assert marked_names(requests) == set()
+    mark_plain(list(requests.values()), [], 200, spec, 451, PERIOD)
     assert marked_names(requests) == set(requests)
 
 
