@@ -10,6 +10,7 @@ Must not hold engine logic (async_loop.py) or CLI printing (generate.py).
 """
 from __future__ import annotations
 
+import gc
 import json
 import random
 import sys
@@ -290,6 +291,7 @@ class LLM:
                 for i, (ids, p, seed) in enumerate(zip(prompt_token_ids, params_list, seeds))]
         cfg = self.model.config
         device_blocks, host_blocks = self._pool_sizes(seqs)
+        gc.collect()       # the last call's engine lies in reference cycles that hold its pool
         cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks,
                         spec.block_size, self.dtype, self.device, host_blocks)
         engine = Engine(self.model, spec, cache, self.eos_token_ids, self.decode,

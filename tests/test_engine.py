@@ -597,3 +597,32 @@ def test_run_sets_the_collector_aside_and_restores_it(tiny_qwen3, prompts):
         assert gc.get_freeze_count() > 0         # (freed frozen objects leave the count: not ==)
     finally:
         gc.unfreeze()
+
+
+def test_a_call_frees_the_last_calls_kv_pool_before_allocating_its_own(tiny_qwen3, prompts, monkeypatch):
+    """Two pools that each fit the device alone must not need to fit together: the last call's engine, held in
+    reference cycles, is collected before the next pool is allocated (the collector off, as a big allocation does
+    not trigger it)."""
+    import gc
+    import weakref
+
+    from nano_sparsespec import llm as llm_module
+    from nano_sparsespec.kv_cache import KVCache
+
+    pools = []
+
+    class Recorded(KVCache):
+        def __init__(self, *args, **kwargs):
+            assert all(pool() is None for pool in pools), "the last call's KV pool is still held"
+            super().__init__(*args, **kwargs)
+            pools.append(weakref.ref(self))
+
+    monkeypatch.setattr(llm_module, "KVCache", Recorded)
+    llm = LLM(str(tiny_qwen3[0]), device="cpu", dtype="float32", method="pillar-lookup")
+    gc.disable()
+    try:
+        for _ in range(2):
+            llm.generate(None, GREEDY, prompt_token_ids=prompts[:2])
+    finally:
+        gc.enable()
+    assert len(pools) == 2
