@@ -236,6 +236,16 @@ class Graphs:
 
     def forget(self) -> None:
         """Drop every recorded graph (a buffer they read was reallocated); buckets record anew."""
+        self._drop_steps()
+
+    def release(self) -> None:
+        """Drop every recorded graph and `compute` once no step will run: a recorded step refers
+        back to these graphs and `compute` to their owner, whose memory that cycle would hold
+        until the collector next runs."""
+        self._drop_steps()
+        self.compute = None
+
+    def _drop_steps(self) -> None:
         if self.steps and torch.cuda.is_available():
             torch.cuda.synchronize()         # no replay in flight reads what is dropped
         self.steps.clear()

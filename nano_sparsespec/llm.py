@@ -10,7 +10,6 @@ Must not hold engine logic (async_loop.py) or CLI printing (generate.py).
 """
 from __future__ import annotations
 
-import gc
 import json
 import random
 import sys
@@ -279,6 +278,7 @@ class LLM:
             bar.update(max(0, bar.total - bar.n))
         finally:
             bar.close()
+            engine.runner.release()
         return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
 
     def _engine(self, spec: SpecConfig, prompt_token_ids: list[list[int]],
@@ -291,7 +291,6 @@ class LLM:
                 for i, (ids, p, seed) in enumerate(zip(prompt_token_ids, params_list, seeds))]
         cfg = self.model.config
         device_blocks, host_blocks = self._pool_sizes(seqs)
-        gc.collect()       # the last call's engine lies in reference cycles that hold its pool
         cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device_blocks,
                         spec.block_size, self.dtype, self.device, host_blocks)
         engine = Engine(self.model, spec, cache, self.eos_token_ids, self.decode,
@@ -309,7 +308,11 @@ class LLM:
     def run_requests(self, *requests) -> None:
         """A worker rank's share of a `generate` call of rank 0 (tensor_parallel.py): the same
         requests through the same engine, on this rank's part of the model."""
-        self.last_stats = self._engine(*requests)[1].run()
+        engine = self._engine(*requests)[1]
+        try:
+            self.last_stats = engine.run()
+        finally:
+            engine.runner.release()
 
     def close(self) -> None:
         """Stop the worker ranks (tensor_parallel > 1); a no-op otherwise."""

@@ -93,6 +93,14 @@ class ModelRunner(SelectionStore):
             [SamplingParams()] * (rows + 1), [0] * (rows + 1), self.device)
         self.params_sent = [-1] * rows                                  # seq_id holding a row
 
+    def release(self) -> None:
+        """Once its run is over, drop the recorded graphs and what calls back into this runner,
+        so that the runner and its KV pool are freed as soon as its engine is, not when the
+        collector next runs."""
+        for graphs in self.graph_tables():
+            graphs.release()
+        self.committed = self.graphs = self.refresh = None     # (the mirror holds `_widen`)
+
     def _widen(self, buffer: torch.Tensor, width: int) -> torch.Tensor:
         """`buffer` [..., w] itself, or a copy twice as wide for `width` (graphs dropped)."""
         if width <= buffer.shape[-1]:
