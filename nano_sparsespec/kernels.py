@@ -6,12 +6,13 @@ kernel tables, paged.py's pieces, the model's elementwise table and the verifier
 
 Owns
   * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
-    draft columns (one fused pass over every draft's critical positions), the draft buffers'
-    fill (one copy kernel), the selection's keys (one pass over the scores, not five) and, with
-    `paged` (a GPU with CUDA graphs), its re-ranking and paged.py's kernel, where dense decoding
-    and verification read the pool in place, scores come from swapped_scores.py's pass, and
-    drafts read their draft-buffer rows in place through flex_drafts.py. `paged.paged_dense` runs
-    three pieces, each compiled as a whole graph (a graph break's resume function recompiles).
+    draft columns (each draft's lists, then one pass over its critical positions), the draft
+    buffers' fill (one copy kernel), the selection's keys (one pass over the scores, not five)
+    and, with `paged` (a GPU with CUDA graphs), its re-ranking and paged.py's kernel, where
+    dense decoding and verification read the pool in place, scores come from swapped_scores.py's
+    pass, and drafts read their draft-buffer rows in place through flex_drafts.py.
+    `paged.paged_dense` runs three pieces, each compiled as a whole graph (a graph break's
+    resume function recompiles).
   * `compile_elementwise`: the model's norms (a row reduced in one pass: one kernel a norm),
     RoPE and SiLU, fused, for static sizes but the token rows.
   * `use_eager_kernels` (the reference) and `use_paged_reference` (paged.py's kernel with
@@ -59,8 +60,9 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = Fal
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
     score pass, draft branch and the selection's keys (dynamic shapes; float tolerance),
-    pillar-lookup's draft columns (static but for the drafts, columns, width and context), the
-    K/V write and the draft buffers' fill (`compile_store`, `compile_fill`); with `paged` the
+    pillar-lookup's draft columns (two pieces, static but for the drafts, columns, width and
+    context), the K/V write and the draft buffers' fill (`compile_store`, `compile_fill`); with
+    `paged` the
     selection's re-ranking and the paged dense path: its attention for static shapes
     (flex_attention's decoding kernel wants them: one compilation per batch class, query rows and
     chunks), the swapped score pass and its inputs for a dynamic batch and context (padded steps
@@ -72,12 +74,17 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels["store"] = compile_store()
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
     kernels["sparse"] = verifier.compiled_apart(attention.sparse_drafts)
-    # lookup_draft_columns(seen, selection, rows, selection_len, selection_start, context_tokens,
-    # tokens, verified, prev_tokens, matches): drafts, columns, selection width and context
-    # dynamic; layers, KV heads and buffer rows constants (symbolic ones: a division per index)
-    lookup_dynamic = {0: (0, 1), 1: (3,), 5: (1,)} | {i: (0,) for i in (2, 3, 4, 6, 7, 8)}
-    kernels["lookup"] = verifier.sizes_apart(_static_but(attention.lookup_draft_columns,
-                                                         lookup_dynamic))
+    # pillar-lookup's draft columns, in two pieces: drafts, columns, selection width and context
+    # dynamic; layers, KV heads and buffer rows constants (symbolic ones: a division per index).
+    # lookup_lists(seen, rows, selection_len, selection_start, context_tokens, tokens, verified,
+    # prev_tokens, matches); lookup_columns(beyond, selection, rows, selection_len, found_at,
+    # found_valid, column_rank)
+    lists_dynamic = {0: (0, 1), 4: (1,)} | {i: (0,) for i in (1, 2, 3, 5, 6, 7)}
+    columns_dynamic = {0: (0, 1), 1: (3,), 6: (0, 1)} | {i: (0,) for i in (2, 3, 4, 5)}
+    kernels["lookup_lists"] = verifier.sizes_apart(_static_but(attention.lookup_lists,
+                                                               lists_dynamic))
+    kernels["lookup_columns"] = verifier.sizes_apart(_static_but(attention.lookup_columns,
+                                                                 columns_dynamic))
     kernels["fill"] = compile_fill()
     pillar_attn._kernels["keys"] = verifier.compiled_apart(pillar_attn.selection_keys)
     if paged:

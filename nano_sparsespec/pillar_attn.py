@@ -17,8 +17,8 @@ Owns
     compiles them), and `for_every_layer` when only some layers score) and
     `select_streaming` (StreamingLLM: sinks + most recent, the baseline); `stacked` batches
     per-request selections;
-  * re-ranking a selection within its budget: `kept_beside`, `merge_ranked`, `keep_first` (through
-    `_kernels`, as `top_positions`).
+  * re-ranking a selection within its budget: `kept_beside` (by rank, or by ring column:
+    `ring_ranks`), `merge_ranked`, `keep_first` (through `_kernels`, as `top_positions`).
 The first cycle after prefill has no verification yet: its scores come from the prompt's last row.
 
 Must not know about scheduling, sampling or the KV cache's layout.
@@ -153,14 +153,14 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
 
 
 def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                extra_valid: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+                extra_valid: torch.Tensor, column_rank: torch.Tensor | None = None) -> torch.Tensor:
     """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
     budget: those `extra` does not hold, the lowest-ranked making room.
 
     selection: [B, L, n_kv, N] distinct positions best first (as `top_positions` returns them),
     the first selection_len [B] of them real; extra, extra_valid: [B, M] (the valid ones distinct)
-    -> keep [B, L, n_kv, N] bool, by rank; with `start` [B], by column of a ring that holds rank r
-    at column (start + r) mod selection_len (`attention.ring_span_writes`).
+    -> keep [B, L, n_kv, N] bool, by rank; with `column_rank` [B, >= N] (`ring_ranks`), by column
+    of a ring, column c holding rank column_rank[b, c].
     A rank r that no extra position holds stays while r < kept_len + (held ranks below r): the
     kept_len best of those not held, each rank compared with the extras once."""
     B, N = selection.shape[0], selection.shape[-1]
@@ -169,15 +169,24 @@ def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: tor
     # by rank, whether a valid extra position holds it: [B, L, n_kv, N] (compared [..., N, M])
     held = ((selection[..., None] == extra[:, None, None, None, :])
             & extra_valid[:, None, None, None, :]).any(-1) & real[:, None, None, :]
-    held_below = held.cumsum(-1) - held.int()              # held ranks below each: [B, L, n_kv, N]
-    if start is not None:                       # each column's rank: (column - start) mod width
-        rank = torch.where(real, (rank - start[:, None]) % selection_len.clamp(min=1)[:, None],
-                           rank)                                                # [B, N]
+    # held ranks below each: [B, L, n_kv, N] (int32: a rank's count fits, in half the bytes)
+    held_below = held.cumsum(-1, dtype=torch.int32) - held.int()
+    if column_rank is not None:                                  # each column's rank, gathered
+        rank = column_rank[:, :N]                                                    # [B, N]
         at_column = rank[:, None, None, :].expand_as(held)                      # [B, L, n_kv, N]
         held, held_below = held.gather(-1, at_column), held_below.gather(-1, at_column)
     kept_len = selection_len - extra_valid.sum(1)                               # [B]
     return (real[:, None, None, :] & ~held
             & (rank.expand(B, N)[:, None, None, :] < kept_len[:, None, None, None] + held_below))
+
+
+def ring_ranks(start: torch.Tensor, width: torch.Tensor, columns: int) -> torch.Tensor:
+    """The rank each of `columns` columns holds in a ring of width [B] that holds rank r at column
+    (start [B] + r) mod width: (c - start) mod width, and c itself past the width -> [B, columns]
+    (`attention.ring_span_writes` keeps a selection so)."""
+    column = torch.arange(columns, device=start.device)                           # [columns]
+    in_ring = column[None, :] < width[:, None]                                   # [B, columns]
+    return torch.where(in_ring, (column - start[:, None]) % width.clamp(min=1)[:, None], column)
 
 
 def merge_ranked(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,

@@ -22,7 +22,7 @@ import time
 import torch
 
 from . import attention, verifier
-from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
+from .attention import AttentionContext, DenseBatch, SparseBatch, as_words, gathered
 from .config import SamplingParams, SpecConfig
 from .cuda_graphs import Graphs, StepGraphs, round_up
 from .device import Packed, to_device
@@ -273,7 +273,7 @@ class ModelRunner(SelectionStore):
             drafted = self.draft_tokens[rows, dev["prev_drafted"] + (shift - 1).clamp(min=0)]
             prev = torch.where((dev["prev_in_context"] != 0) & (shift == 0), committed, drafted)
             # found_at, found_valid: [Bs, M]; seen: [Bs, L, n_kv, N]
-            found_at, found_valid, seen = attention._kernels["lookup"](
+            found_at, found_valid, seen = attention.lookup_draft_columns(
                 seen, self.selection[:, :, :, :shape.selection_width], rows, n_sel,
                 self.selection_start[rows],
                 self.committed.tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],
@@ -286,7 +286,8 @@ class ModelRunner(SelectionStore):
         if not gathered(shape.sparse_batch, R + 1):           # else the rows read in place
             read_row = rows.clamp(max=R)                      # padding drafts: row R
             valid = (column == 0).expand(L, R + 1, n_kv, N).clone()  # rows no draft reads: 0
-            valid[:, read_row] = seen.transpose(0, 1)
+            # each (layer, row, KV head)'s N flags move as N / 8 words (N is 8-aligned)
+            as_words(valid)[:, read_row] = as_words(seen.transpose(0, 1))
         return SparseBatch(dev["sparse_first_row"], read_row, rows,
                            first_window[:, 0] + window - 1, valid)
 

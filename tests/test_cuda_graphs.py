@@ -335,7 +335,7 @@ def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(ti
         verifier.use_eager_sampling()
         kernels.use_eager_kernels()
     assert llm.last_stats.graphs_recorded > 5
-    names = ("_verify_logits", "sparse_drafts", "_sample_drafts", "lookup_draft_columns")
+    names = ("_verify_logits", "sparse_drafts", "_sample_drafts", "lookup_lists", "lookup_columns")
     assert {name: compiled.frames[name][0] for name in names} == dict.fromkeys(names, 1), compiled.frames
 
 

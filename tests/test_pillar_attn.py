@@ -12,7 +12,7 @@ from nano_sparsespec import attention, embedded, kernels, swapped_scores
 from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
-from nano_sparsespec.pillar_attn import (attention_logits, kept_beside, pillar_scores, select_pillar,
+from nano_sparsespec.pillar_attn import (attention_logits, kept_beside, pillar_scores, ring_ranks, select_pillar,
                                          select_streaming, spans_kept_first)
 from nano_sparsespec.tools.measure import CompiledFrames
 
@@ -894,10 +894,11 @@ def test_compiled_kernels_match_eager():
     try:
         assert all(attention._kernels[name] is not eager for name, eager in
                    [("store", attention.store_kv), ("scores", pillar_scores), ("sparse", attention.sparse_drafts),
-                    ("lookup", attention.lookup_draft_columns), ("fill", attention.fill_draft_buffers)])
+                    ("lookup_lists", attention.lookup_lists), ("lookup_columns", attention.lookup_columns),
+                    ("fill", attention.fill_draft_buffers)])
         scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
         sparse_out = sparse_branch(attention._kernels["sparse"])
-        lookup = attention._kernels["lookup"](*lookup_args)
+        lookup = attention.lookup_draft_columns(*lookup_args)          # through the compiled pieces
         with CompiledFrames() as compiled:
             attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
             compiled_stored = stored(attention._kernels["store"], True)
@@ -928,7 +929,8 @@ def test_compiled_kernels_match_eager():
     assert torch.equal(draft_k[2, :, 6], k_new[2]) and draft_k.abs().sum(-1).gt(0).sum() == 3 * N_KV   # nothing else
     assert attention._kernels["scores"] is pillar_scores and attention._kernels["sparse"] is attention.sparse_drafts
     assert attention._kernels["store"] is attention.store_kv
-    assert attention._kernels["lookup"] is attention.lookup_draft_columns
+    assert attention._kernels["lookup_lists"] is attention.lookup_lists
+    assert attention._kernels["lookup_columns"] is attention.lookup_columns
     assert attention._kernels["fill"] is attention.fill_draft_buffers
 
 
@@ -1203,7 +1205,8 @@ def test_kept_beside_keeps_the_best_ranks_no_extra_holds_by_rank_and_by_ring_col
     widths, start = torch.tensor([7, 5, 1, 0, 6, 3]), torch.tensor([3, 4, 0, 0, 5, 2])
     extra = torch.stack([torch.randperm(12, generator=g)[:M] for _ in range(B)])
     valid = torch.rand(B, M, generator=g) < 0.75
-    by_rank, by_column = kept_beside(selection, widths, extra, valid), kept_beside(selection, widths, extra, valid, start)
+    by_rank = kept_beside(selection, widths, extra, valid)
+    by_column = kept_beside(selection, widths, extra, valid, ring_ranks(start, widths, N + 2))
     for b, l, h in itertools.product(range(B), range(L), range(n_kv)):
         width, held = int(widths[b]), set(extra[b][valid[b]].tolist())
         ranked = selection[b, l, h, :width].tolist()
