@@ -62,13 +62,12 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     score pass, draft branch and the selection's keys (dynamic shapes; float tolerance),
     pillar-lookup's draft columns (two pieces, static but for the drafts, columns, width and
     context), the K/V write and the draft buffers' fill (`compile_store`, `compile_fill`); with
-    `paged` the
-    selection's re-ranking and the paged dense path: its attention for static shapes
+    `paged` the selection's re-ranking and the paged dense path: its attention for static shapes
     (flex_attention's decoding kernel wants them: one compilation per batch class, query rows and
     chunks), the swapped score pass and its inputs for a dynamic batch and context (padded steps
-    have at least two requests: torch specialises sizes 0 and 1), and the drafts' attention in
-    place (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets its decode
-    row's bits."""
+    have at least two requests: torch specialises sizes 0 and 1), and the drafts' attention in place
+    (`flex_drafts`) for static buffer rows. With `exact`, a verification row gets its decode row's
+    bits."""
     paged_kernel.exact_rows = paged and exact
     kernels = attention._kernels
     kernels["store"] = compile_store()
