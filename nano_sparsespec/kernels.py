@@ -1,8 +1,9 @@
 """The fast path's kernels: torch.compile'd pieces swapped into the eager path's tables.
 
 Same math as the eager path (attention.py), switched on from outside (`LLM(compile=True)`,
-`--compile`): `compile_fast_path` swaps compiled versions into attention.py's and pillar_attn.py's
-kernel tables, paged.py's pieces, the model's elementwise table and the verifier's sampling table.
+`--compile`): `compile_fast_path` swaps compiled versions into attention.py's, lookup.py's and
+pillar_attn.py's kernel tables, paged.py's pieces, the model's elementwise table and the
+verifier's sampling table.
 
 Owns
   * `compile_kernels`: compiled K/V write, PillarAttn score pass, draft branch, pillar-lookup's
@@ -27,7 +28,7 @@ import functools
 
 import torch
 
-from . import attention, model, pillar_attn, verifier
+from . import attention, lookup, model, pillar_attn, verifier
 from . import paged as paged_kernel
 from .attention import as_words
 from .flex_drafts import drafts_by_reading, flex_drafts
@@ -58,8 +59,8 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = Fal
 
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
-    """Swap torch.compile'd versions into attention.py's and pillar_attn.py's kernel tables: the
-    score pass, draft branch and the selection's keys (dynamic shapes; float tolerance),
+    """Swap torch.compile'd versions into attention.py's, lookup.py's and pillar_attn.py's kernel
+    tables: the score pass, draft branch and the selection's keys (dynamic shapes; float tolerance),
     pillar-lookup's draft columns (two pieces, static but for the drafts, columns, width and
     context), the K/V write and the draft buffers' fill (`compile_store`, `compile_fill`); with
     `paged` the selection's re-ranking and the paged dense path: its attention for static shapes
@@ -80,10 +81,10 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     # found_valid, column_rank)
     lists_dynamic = {0: (0, 1), 4: (1,)} | {i: (0,) for i in (1, 2, 3, 5, 6, 7)}
     columns_dynamic = {0: (0, 1), 1: (3,), 6: (0, 1)} | {i: (0,) for i in (2, 3, 4, 5)}
-    kernels["lookup_lists"] = verifier.sizes_apart(_static_but(attention.lookup_lists,
-                                                               lists_dynamic))
-    kernels["lookup_columns"] = verifier.sizes_apart(_static_but(attention.lookup_columns,
-                                                                 columns_dynamic))
+    lookup._kernels.update(lists=verifier.sizes_apart(_static_but(lookup.lookup_lists,
+                                                                  lists_dynamic)),
+                           columns=verifier.sizes_apart(_static_but(lookup.lookup_columns,
+                                                                    columns_dynamic)))
     kernels["fill"] = compile_fill()
     pillar_attn._kernels["keys"] = verifier.compiled_apart(pillar_attn.selection_keys)
     if paged:
@@ -204,6 +205,7 @@ def use_eager_kernels() -> None:
     paged_kernel.exact_rows = False
     paged_kernel.set_smallest_kernel_batch(2)
     attention._kernels.update(attention.EAGER_KERNELS)
+    lookup._kernels.update(lookup.EAGER_KERNELS)
     pillar_attn._kernels.update(pillar_attn.EAGER_KERNELS)
     _paged.update(PAGED_PIECES)
 

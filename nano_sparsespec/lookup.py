@@ -9,10 +9,11 @@ lowest-ranked critical positions: the positions a draft attends to change, their
 budget) does not.
 
 Owns `lookup_positions` (the positions a draft's token finds), `merge_lookup` (the merged
-list, as the drafts see it) and `CommittedTokens` (what the lookups read on the device); which
-critical positions stay beside them is `pillar_attn.kept_beside`, shared with `keep_first`; the
-engine's drafts find theirs through `attention.lookup_draft_columns`.
-Must not know about scheduling or the draft buffers' layout (runner.py copies the K/V).
+list, as the drafts see it), `CommittedTokens` (what the lookups read on the device) and
+`lookup_draft_columns` (the engine's drafts' columns of their draft-buffer rows: critical
+positions, then lookups, then the window; through `_kernels`, which the fast path compiles); which
+critical positions stay beside the lookups is `pillar_attn.kept_beside`, shared with `keep_first`.
+Must not know about scheduling (runner.py copies the K/V).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from .device import Packed
 
-from .pillar_attn import merge_ranked
+from .pillar_attn import kept_beside, merge_ranked, ring_ranks
 
 
 class CommittedTokens:
@@ -102,3 +103,60 @@ def merge_lookup(selection: torch.Tensor, selection_len: torch.Tensor, lookup: t
     columns, then the lookups' own): the kept critical positions in rank order, then the valid
     lookups; arguments and result as `pillar_attn.merge_ranked`."""
     return merge_ranked(selection, selection_len, lookup, lookup_valid, extra_first=False)
+
+
+def lookup_draft_columns(seen: torch.Tensor, selection: torch.Tensor, rows: torch.Tensor,
+                         selection_len: torch.Tensor, selection_start: torch.Tensor,
+                         context_tokens: torch.Tensor,
+                         tokens: torch.Tensor, verified: torch.Tensor, prev_tokens: torch.Tensor,
+                         matches: int) -> tuple[torch.Tensor, ...]:
+    """The columns of its draft-buffer row a pillar-lookup draft attends to, and the positions its
+    input token finds (`lookup_positions`), whose K/V the runner copies to columns
+    selection_len + j: the window's columns, the lookups found, and the critical positions kept
+    beside them (`pillar_attn.kept_beside`: the budget stays), each at its ring column
+    (`attention.ring_span_writes`).
+
+    seen: [Bs, N] bool, the columns of its critical positions and window; selection: [R + 1, L,
+    n_kv, S] each buffer row's ranked critical positions (the first selection_len [Bs] of the
+    drafts' rows [Bs], whose draft-buffer rows hold rank 0 at column selection_start [Bs]);
+    context_tokens: [R + 1, Lc] (read below verified [Bs]); tokens, prev_tokens: [Bs] as
+    `lookup_positions` -> found_at, found_valid [Bs, M], seen [Bs, L, n_kv, N] bool, by
+    draft-buffer column.
+    Two pieces (`_kernels`): a draft's lists, then its columns in every layer and KV head, which
+    read the lists (compiled as one, each layer and head would compute them again)."""
+    found_at, found_valid, beyond, column_rank = _kernels["lists"](
+        seen, rows, selection_len, selection_start, context_tokens, tokens, verified, prev_tokens,
+        matches)
+    return found_at, found_valid, _kernels["columns"](
+        beyond, selection, rows, selection_len, found_at, found_valid, column_rank)
+
+
+def lookup_lists(seen, rows, selection_len, selection_start, context_tokens, tokens, verified,
+                 prev_tokens, matches: int):
+    """`lookup_draft_columns`' lists of each draft, arguments as there -> found_at, found_valid
+    [Bs, M]; beyond [Bs, N] bool, the columns past its critical positions it attends to (the
+    window's, the lookups'); column_rank [Bs, N], the rank of the selection each column holds
+    (`pillar_attn.ring_ranks`)."""
+    found_at, found_valid = lookup_positions(context_tokens[rows], tokens, verified, matches,
+                                             prev_tokens)
+    N, M = seen.shape[1], found_at.shape[1]
+    column = torch.arange(N, device=seen.device)                                # [N]
+    lookup_column = selection_len[:, None] + torch.arange(M, device=seen.device)  # [Bs, M]
+    found = ((column == lookup_column[:, :, None]) & found_valid[:, :, None]).any(1)  # [Bs, N]
+    beyond = (seen & (column >= selection_len[:, None])) | found                # [Bs, N]
+    return found_at, found_valid, beyond, ring_ranks(selection_start, selection_len, N)
+
+
+def lookup_columns(beyond, selection, rows, selection_len, found_at, found_valid, column_rank):
+    """`lookup_draft_columns`' columns from its lists (`lookup_lists`) -> [Bs, L, n_kv, N] bool:
+    the draft's columns `beyond` its critical positions, and those of the critical positions kept
+    beside its lookups."""
+    keep = kept_beside(selection[rows], selection_len, found_at, found_valid,
+                       column_rank)                                      # [Bs, L, n_kv, S]
+    N = beyond.shape[1]
+    return beyond[:, None, None, :] | F.pad(keep, (0, N - keep.shape[-1]))
+
+
+# what `lookup_draft_columns` calls: the eager pieces, or the fast path's (kernels.py)
+EAGER_KERNELS = {"lists": lookup_lists, "columns": lookup_columns}
+_kernels = dict(EAGER_KERNELS)

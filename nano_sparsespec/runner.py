@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from . import attention, verifier
+from . import attention, lookup, verifier
 from .attention import AttentionContext, DenseBatch, SparseBatch, as_words, gathered
 from .config import SamplingParams, SpecConfig
 from .cuda_graphs import Graphs, StepGraphs, round_up
@@ -273,7 +273,7 @@ class ModelRunner(SelectionStore):
             drafted = self.draft_tokens[rows, dev["prev_drafted"] + (shift - 1).clamp(min=0)]
             prev = torch.where((dev["prev_in_context"] != 0) & (shift == 0), committed, drafted)
             # found_at, found_valid: [Bs, M]; seen: [Bs, L, n_kv, N]
-            found_at, found_valid, seen = attention.lookup_draft_columns(
+            found_at, found_valid, seen = lookup.lookup_draft_columns(
                 seen, self.selection[:, :, :, :shape.selection_width], rows, n_sel,
                 self.selection_start[rows],
                 self.committed.tokens[:, :shape.lookup_context], input_ids[dev["sparse_first_row"]],

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run
-from nano_sparsespec import attention
+from nano_sparsespec import lookup as pillar_lookup
 from nano_sparsespec.config import SpecConfig
 from nano_sparsespec.lookup import lookup_positions, merge_lookup
 from nano_sparsespec.pillar_attn import select_pillar
@@ -172,7 +172,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     a set, as all are."""
     checked, drafting, lookups, selections, gathered = [], [], [], {}, set()
     sparse_lists, sparse_batch = StepLists._sparse_lists, ModelRunner._sparse_batch
-    set_selections, lookup_draft_columns = ModelRunner.set_selections, attention.lookup_draft_columns
+    set_selections, lookup_draft_columns = ModelRunner.set_selections, pillar_lookup.lookup_draft_columns
 
     def noted_selections(self, seqs, positions, widths):                   # row -> [L, n_kv, n]
         selections.update({seq.row: positions[b, ..., :w] for b, (seq, w) in enumerate(zip(seqs, widths))})
@@ -213,7 +213,7 @@ def test_drafts_read_the_kv_of_their_positions(tiny_qwen3, prompts, plain_greedy
     monkeypatch.setattr(ModelRunner, "set_selections", noted_selections)
     monkeypatch.setattr(StepLists, "_sparse_lists", noted_lists)
     monkeypatch.setattr(ModelRunner, "_sparse_batch", checked_batch)
-    monkeypatch.setattr(attention, "lookup_draft_columns", noted_lookup)
+    monkeypatch.setattr(pillar_lookup, "lookup_draft_columns", noted_lookup)
     _, outs = run(tiny_qwen3[0], prompts, method=method, stride=4, min_budget=16, budget_ratio=0.1,
                   refresh_every=refresh_every, keep_accepted=keep_accepted)
     assert [o.token_ids for o in outs] == plain_greedy

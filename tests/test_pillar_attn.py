@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from nano_sparsespec import attention, embedded, kernels, swapped_scores
+from nano_sparsespec import attention, embedded, kernels, lookup, swapped_scores
 from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.attention import (AttentionContext, DenseBatch, SparseBatch, attend, dense_attention,
                                        sparse_attention)
@@ -866,7 +866,7 @@ def test_compiled_kernels_match_eager():
     lookup_args = (torch.rand(3, 16, generator=g) < 0.5, selection, torch.tensor([2, 0, 3]), torch.tensor([6, 4, 5]),
                    torch.tensor([0, 3, 4]), torch.randint(0, 5, (4, 12), generator=g), torch.tensor([1, 2, 3]),
                    torch.tensor([12, 9, 11]), torch.tensor([0, 4, 2]), 2)
-    eager_lookup = attention.lookup_draft_columns(*lookup_args)
+    eager_lookup = lookup.lookup_draft_columns(*lookup_args)
     # the draft buffers' fill: two requests' 3 blocks of 4 positions in a pool of 8 blocks, into rows 3 and 1 of the
     # buffers [2 layers, 5 rows, N_KV, 8 columns] (the rows a view into a longer list); positions per (layer, KV
     # head), then one list for all of them (of one position each); then one request (row 2) alone, both ways; then two
@@ -894,11 +894,11 @@ def test_compiled_kernels_match_eager():
     try:
         assert all(attention._kernels[name] is not eager for name, eager in
                    [("store", attention.store_kv), ("scores", pillar_scores), ("sparse", attention.sparse_drafts),
-                    ("lookup_lists", attention.lookup_lists), ("lookup_columns", attention.lookup_columns),
                     ("fill", attention.fill_draft_buffers)])
+        assert all(lookup._kernels[name] is not eager for name, eager in lookup.EAGER_KERNELS.items())
         scores = attention._kernels["scores"](q, k, mask, weight)         # the compiled score pass
         sparse_out = sparse_branch(attention._kernels["sparse"])
-        lookup = attention.lookup_draft_columns(*lookup_args)          # through the compiled pieces
+        lookup_columns = lookup.lookup_draft_columns(*lookup_args)     # through the compiled pieces
         with CompiledFrames() as compiled:
             attention._kernels["store"](pool_k[2], pool_v[2], slots, k_new, v_new)
             compiled_stored = stored(attention._kernels["store"], True)
@@ -908,7 +908,7 @@ def test_compiled_kernels_match_eager():
             compiled_filled = filled(attention._kernels["fill"])
     finally:
         kernels.use_eager_kernels()
-    assert all(torch.equal(a, b) for a, b in zip(lookup, eager_lookup)) and eager_lookup[1].any()
+    assert all(torch.equal(a, b) for a, b in zip(lookup_columns, eager_lookup)) and eager_lookup[1].any()
     assert all(torch.equal(a, b) for a, b in zip(compiled_filled, eager_filled))
     # per (layer, KV head): 5 + 1 columns of row 3, 5 + 1 of row 1, 3 + 2 of row 2, 2 of rows 0 and 4, nothing else
     assert eager_filled[0].abs().sum(-1).gt(0).sum() == 2 * N_KV * 21
@@ -929,8 +929,7 @@ def test_compiled_kernels_match_eager():
     assert torch.equal(draft_k[2, :, 6], k_new[2]) and draft_k.abs().sum(-1).gt(0).sum() == 3 * N_KV   # nothing else
     assert attention._kernels["scores"] is pillar_scores and attention._kernels["sparse"] is attention.sparse_drafts
     assert attention._kernels["store"] is attention.store_kv
-    assert attention._kernels["lookup_lists"] is attention.lookup_lists
-    assert attention._kernels["lookup_columns"] is attention.lookup_columns
+    assert lookup._kernels == lookup.EAGER_KERNELS
     assert attention._kernels["fill"] is attention.fill_draft_buffers
 
 
