@@ -153,22 +153,25 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
 
 
 def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                extra_valid: torch.Tensor, column_rank: torch.Tensor | None = None) -> torch.Tensor:
+                extra_valid: torch.Tensor, column_rank: torch.Tensor | None = None,
+                held: torch.Tensor | None = None) -> torch.Tensor:
     """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
     budget: those `extra` does not hold, the lowest-ranked making room.
 
     selection: [B, L, n_kv, N] distinct positions best first (as `top_positions` returns them),
     the first selection_len [B] of them real; extra, extra_valid: [B, M] (the valid ones distinct)
     -> keep [B, L, n_kv, N] bool, by rank; with `column_rank` [B, >= N] (`ring_ranks`), by column
-    of a ring, column c holding rank column_rank[b, c].
+    of a ring, column c holding rank column_rank[b, c]. `held` [B, L, n_kv, N] bool: whether a
+    valid extra position equals each selection entry, where the caller has it (else compared here).
     A rank r that no extra position holds stays while r < kept_len + (held ranks below r): the
     kept_len best of those not held, each rank compared with the extras once."""
     B, N = selection.shape[0], selection.shape[-1]
     rank = torch.arange(N, device=selection.device)                              # [N]
     real = rank[None, :] < selection_len[:, None]                               # [B, N]
-    # by rank, whether a valid extra position holds it: [B, L, n_kv, N] (compared [..., N, M])
-    held = ((selection[..., None] == extra[:, None, None, None, :])
-            & extra_valid[:, None, None, None, :]).any(-1) & real[:, None, None, :]
+    if held is None:   # by rank, whether a valid extra position holds it (compared [..., N, M])
+        held = ((selection[..., None] == extra[:, None, None, None, :])
+                & extra_valid[:, None, None, None, :]).any(-1)                 # [B, L, n_kv, N]
+    held = held & real[:, None, None, :]
     # held ranks below each: [B, L, n_kv, N] (int32: a rank's count fits, in half the bytes)
     held_below = held.cumsum(-1, dtype=torch.int32) - held.int()
     if column_rank is not None:                                  # each column's rank, gathered
