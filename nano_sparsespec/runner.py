@@ -297,8 +297,9 @@ class ModelRunner(SelectionStore):
         st = self.sampling.select(r.draft_row, r.draft_flags)
         probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)   # [Nd, V], [Nd]
         self.draft_tokens[r.draft_row, r.draft_index] = tokens
-        if not st.all_greedy:
-            self._draft_probs(probs.shape[-1])[r.draft_row, r.draft_index] = probs
+        if not st.all_greedy:   # each row moved as 8-byte words (`as_words`)
+            stored = self._draft_probs(probs.shape[-1])                        # [rows + 1, k, V]
+            as_words(stored)[r.draft_row, r.draft_index] = as_words(probs)
 
     def _draft_probs(self, vocab: int) -> torch.Tensor:
         """The distributions the drafts were sampled from [rows + 1, k, V], allocated by the
@@ -318,7 +319,8 @@ class ModelRunner(SelectionStore):
         if draft_tokens is None:
             draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # a copy
             if m_max and not st.all_greedy:   # (a last prefill chunk's padded check reads none)
-                draft_probs = self._draft_probs(logits.shape[-1])[r.check_row, :m_max]
+                stored = self._draft_probs(logits.shape[-1])                   # [rows + 1, k, V]
+                draft_probs = as_words(stored)[r.check_row, :m_max].view(stored.dtype)  # a copy
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
                                      r.check_first_position)
         # where a request that runs or drafts ahead reads it in its next step, launched already
