@@ -187,17 +187,19 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blocks = F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs
     blocks = blocks.view(N, -1, CDF_BLOCK)                               # [N, nb, C]
     block_cdf = _cdf(blocks.sum(-1))                                     # [N, nb]
-    target = (u * block_cdf[:, -1])[:, None]                             # [N, 1], < total
-    # first block whose running mass exceeds the target (guard: rounding at the top end)
+    # [N, 1]; u < 1 - 2**-24 makes u x total < total in float32, so some block's running mass
+    # exceeds the target, and the first that does has mass
+    target = (u * block_cdf[:, -1])[:, None]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_max(blocks.shape[1] - 1)
     before = F.pad(block_cdf, (1, 0)).gather(1, block)          # [N, 1] the blocks' mass before it
     within = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]      # [N, C]
     cdf = before + _cdf(within)                                          # [N, C]
     column = torch.searchsorted(cdf, target, right=True).clamp_max(CDF_BLOCK - 1)     # [N, 1]
-    token = (block * CDF_BLOCK + column).squeeze(-1).clamp_max(V - 1)    # [N]
-    # guard: rounding (two sums of a block's mass) could land on a zero-probability token
-    ok = probs.gather(-1, token[:, None]).squeeze(-1) > 0
-    return torch.where(ok, token, probs.argmax(-1))
+    # guard: rounding (two sums of the block's mass) could pass its last token with mass; then
+    # the block's likeliest token, read within the block (a vocabulary-wide argmax is a pass more)
+    ok = within.gather(1, column) > 0
+    column = torch.where(ok, column, within.argmax(-1, keepdim=True))
+    return (block * CDF_BLOCK + column).squeeze(-1)                      # [N]
 
 
 def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
