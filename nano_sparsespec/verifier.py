@@ -187,7 +187,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blocks = F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs
     blocks = blocks.view(N, -1, CDF_BLOCK)                               # [N, nb, C]
     block_cdf = _cdf(blocks.sum(-1))                                     # [N, nb]
-    # [N, 1]; u < 1 - 2**-24 makes u x total < total in float32, so some block's running mass
+    # [N, 1]; u <= 1 - 2**-24 makes u x total < total in float32, so some block's running mass
     # exceeds the target, and the first that does has mass
     target = (u * block_cdf[:, -1])[:, None]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_max(blocks.shape[1] - 1)
