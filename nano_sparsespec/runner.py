@@ -293,13 +293,13 @@ class ModelRunner(SelectionStore):
 
     # --- drafts and checks from the readout's logits -----------------------------------------
     def _sample_drafts(self, logits: torch.Tensor, r: Readout) -> None:
-        """Sample drafts from logits [Nd, V] into the draft buffer (and their distributions)."""
+        """Sample drafts from logits [Nd, V] into the draft buffer (their distributions into
+        `draft_probs`, but where every row is greedy)."""
         st = self.sampling.select(r.draft_row, r.draft_flags)
-        probs, tokens = verifier.sample_drafts(logits, st, r.draft_position)   # [Nd, V], [Nd]
+        stored = None if st.all_greedy else self._draft_probs(logits.shape[-1])  # [rows + 1, k, V]
+        tokens = verifier.sample_drafts(logits, st, r.draft_position, stored, r.draft_row,
+                                        r.draft_index)                                # [Nd]
         self.draft_tokens[r.draft_row, r.draft_index] = tokens
-        if not st.all_greedy:   # each row moved as 8-byte words (`as_words`)
-            stored = self._draft_probs(probs.shape[-1])                        # [rows + 1, k, V]
-            as_words(stored)[r.draft_row, r.draft_index] = as_words(probs)
 
     def _draft_probs(self, vocab: int) -> torch.Tensor:
         """The distributions the drafts were sampled from [rows + 1, k, V], allocated by the
@@ -315,14 +315,14 @@ class ModelRunner(SelectionStore):
         num_checks, m_max = r.check_logit_rows.shape[0], r.check_logit_rows.shape[1] - 1
         logits = logits.view(num_checks, m_max + 1, -1)                            # [Bv, M+1, V]
         st = self.sampling.select(r.check_row, r.check_flags)                       # per check
-        draft_tokens, draft_probs = r.ngram_drafts, None                           # [Bv, M]
+        draft_tokens, draft_probs, draft_rows = r.ngram_drafts, None, None          # [Bv, M]
         if draft_tokens is None:
             draft_tokens = self.draft_tokens[r.check_row, :m_max]                   # a copy
             if m_max and not st.all_greedy:   # (a last prefill chunk's padded check reads none)
-                stored = self._draft_probs(logits.shape[-1])                   # [rows + 1, k, V]
-                draft_probs = as_words(stored)[r.check_row, :m_max].view(stored.dtype)  # a copy
+                draft_probs = self._draft_probs(logits.shape[-1])              # [rows + 1, k, V]
+                draft_rows = r.check_row      # read in place
         out = verifier.verify_logits(logits, draft_tokens, draft_probs, r.check_num_drafts, st,
-                                     r.check_first_position)
+                                     r.check_first_position, draft_rows)
         # where a request that runs or drafts ahead reads it in its next step, launched already
         self.draft_tokens[r.check_row, out.num_accepted] = out.next_token
         self.pending_position[r.check_row] = r.check_first_position + out.num_accepted

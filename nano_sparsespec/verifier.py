@@ -3,8 +3,9 @@
 Owns
   * `uniform(seeds, positions, salt)` — counter-based randomness, a pure function of (seed,
     position, salt): results do not depend on the batch or on scheduling.
-  * `SamplingTensors`, `probs_from_logits` (temperature, top-k, top-p; greedy rows one-hot) and
-    `sample` (greedy argmax or inverse-CDF sampling with one uniform per row).
+  * `SamplingTensors`, `distribution` (temperature, top-k, top-p; greedy rows one-hot; the blocks'
+    masses from the same pass) and `sample` (greedy argmax or inverse-CDF sampling with one uniform
+    per row).
   * `verify` — accepts a prefix of a request's drafts (greedy match or lossless rejection
     sampling), then a *recovered* token from max(0, p - q), or a *bonus* one if all are accepted.
   * `sample_drafts`, `verify_logits` — logits in, tokens out; `compile_sampling()` fuses them.
@@ -144,21 +145,44 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits Float[..., V] (any float dtype) -> probs Float[..., V] (float32).
+def _blocks(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """[..., V] -> [..., nb, CDF_BLOCK]: the vocabulary in blocks, the last padded with `fill`."""
+    V = x.shape[-1]
+    if V % CDF_BLOCK:
+        x = F.pad(x, (0, -V % CDF_BLOCK), value=fill)
+    return x.unflatten(-1, (-1, CDF_BLOCK))
 
-    `st` fields have shape [...] (or broadcast: `per_position`); greedy rows one-hot at argmax."""
+
+def distribution(logits: torch.Tensor,
+                 st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits Float[..., V] (any float dtype) -> (probs Float[..., V] (float32), block_mass
+    Float[..., nb] or None): temperature, top-k, top-p, greedy rows one-hot at argmax; block_mass
+    sums probs over each block of CDF_BLOCK tokens (what `sample` reads first; None when every row
+    is greedy). `st` fields have shape [...] (or broadcast: `per_position`).
+
+    One pass over the vocabulary makes both: each block's largest scaled logit and its sum of
+    exp(scaled - that largest) give the softmax's normalizer and the blocks' masses; probs =
+    exp(scaled - largest) / normalizer is then an expression that compiled code computes where it
+    is read (a sampled block, a draft's token, a store), not a tensor written and read back."""
     logits = logits.float()  # [..., V]
     if st.all_greedy:        # cheap path: no softmax
-        return _one_hot_argmax(logits)
+        return _one_hot_argmax(logits), None
     temperature = torch.where(st.greedy, 1.0, st.temperature)  # [...], no 0-division on greedy
     scaled = logits / temperature[..., None]  # [..., V]
     if st.use_filter:
         scaled = _top_k_top_p(scaled, st.top_k, st.top_p)
-    probs = scaled.softmax(-1)  # [..., V]
+    blocks = _blocks(scaled, float("-inf"))                              # [..., nb, C]
+    top = blocks.amax(-1)                                                # [..., nb]
+    peak = top.amax(-1, keepdim=True)                                    # [..., 1] finite
+    top = torch.where(top > float("-inf"), top, peak)   # a block filtered away sums to 0, no NaN
+    # each block's sum of exp(scaled - peak), from its own largest (no underflow within it)
+    block_sum = (blocks - top[..., None]).exp().sum(-1) * (top - peak).exp()   # [..., nb]
+    total = block_sum.sum(-1, keepdim=True)                              # [..., 1] >= 1
+    probs = (scaled - peak).exp() / total                                # [..., V] softmax
     if not st.any_greedy:       # every row samples: no one-hot pass
-        return probs
-    return torch.where(st.greedy[..., None], _one_hot_argmax(logits), probs)
+        return probs, block_sum / total
+    probs = torch.where(st.greedy[..., None], _one_hot_argmax(logits), probs)
+    return probs, _blocks(probs, 0.0).sum(-1)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -177,16 +201,18 @@ def _(probs: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(probs)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor,
+                 block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row: probs Float[N, V] (>= 0, any sum), u Float[N] in (0, 1) -> Long[N]:
-    the first token whose cumulative mass exceeds u x the row's total.
+    the first token whose cumulative mass exceeds u x the row's total. block_mass Float[N, nb]:
+    probs summed over each block of CDF_BLOCK tokens, if known (`distribution`).
 
-    In two levels, so that no cumulative sum runs over the whole vocabulary: the blocks of
-    CDF_BLOCK tokens' running masses find the block, then the running mass within it the token."""
-    N, V = probs.shape
-    blocks = F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs
-    blocks = blocks.view(N, -1, CDF_BLOCK)                               # [N, nb, C]
-    block_cdf = _cdf(blocks.sum(-1))                                     # [N, nb]
+    In two levels, so that no cumulative sum runs over the whole vocabulary: the blocks' running
+    masses find the block, then the running mass within it the token."""
+    blocks = _blocks(probs, 0.0)                                         # [N, nb, C]
+    if block_mass is None:
+        block_mass = blocks.sum(-1)                                      # [N, nb]
+    block_cdf = _cdf(block_mass)                                         # [N, nb]
     # [N, 1]; u <= 1 - 2**-24 makes u x total < total in float32, so some block's running mass
     # exceeds the target, and the first that does has mass
     target = (u * block_cdf[:, -1])[:, None]
@@ -202,15 +228,16 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (block * CDF_BLOCK + column).squeeze(-1)                      # [N]
 
 
-def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
-           salt: int) -> torch.Tensor:
-    """probs Float[N, V], positions Long[N] (of the tokens being sampled) -> tokens Long[N]."""
+def sample(probs: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, salt: int,
+           block_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """probs Float[N, V], positions Long[N] (of the tokens being sampled) -> tokens Long[N];
+    block_mass Float[N, nb] as `distribution` gives it, if known."""
     if st.all_greedy:
         return probs.argmax(-1)
     u = uniform(st.seed, positions, salt)  # [N]
     if not st.any_greedy:
-        return _inverse_cdf(probs, u)
-    return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u))
+        return _inverse_cdf(probs, u, block_mass)
+    return torch.where(st.greedy, probs.argmax(-1), _inverse_cdf(probs, u, block_mass))
 
 
 # ---- verification --------------------------------------------------------------------------------
@@ -283,7 +310,8 @@ def verify_rejection(target_probs, draft_tokens, draft_probs, num_drafts, seed, 
 
 def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
            draft_probs: torch.Tensor | None, num_drafts: torch.Tensor, st: SamplingTensors,
-           first_position: torch.Tensor) -> VerifyResult:
+           first_position: torch.Tensor, target_block_mass: torch.Tensor | None = None
+           ) -> VerifyResult:
     """Verify a batch of requests with a variable number of (right-padded) drafts each.
 
     target_probs   Float[B, K+1, V]  row j: target distribution of the token at first_position + j
@@ -292,10 +320,12 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                                      deterministic drafts (greedy or n-gram: q one-hot at the draft)
     num_drafts     Long[B]           0..K (0: a plain decode step, sampling the target at row 0)
     st             one row per request; first_position Long[B]
+    target_block_mass  Float[B, K+1, nb]  target_probs' block sums (`distribution`), if known
     """
     # no drafts in the batch (plain decoding, first tokens): rejection sampling reduces to this
     if draft_tokens.shape[1] == 0:
-        token = sample(target_probs[:, 0], st, first_position, SALT_TARGET)
+        token = sample(target_probs[:, 0], st, first_position, SALT_TARGET,
+                       None if target_block_mass is None else target_block_mass[:, 0])
         return VerifyResult(num_accepted=torch.zeros_like(token), next_token=token,
                             is_bonus=torch.ones_like(token, dtype=torch.bool))
     if st.all_greedy:
@@ -311,15 +341,19 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
 
 # ---- logits in, tokens out: what the engine calls ------------------------------------------------
 
-def _sample_drafts(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor):
-    probs = probs_from_logits(logits, st)
+def _sample_drafts(logits, st, positions, store, rows, columns):
+    probs, block_mass = distribution(logits, st)
+    if store is not None:
+        store[rows, columns] = probs
     # the salt is a constant: as an argument torch.compile would make it a symbolic int
-    return probs, sample(probs, st, positions, SALT_DRAFT)
+    return sample(probs, st, positions, SALT_DRAFT, block_mass)
 
 
-def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_position):
-    out = verify(probs_from_logits(logits, st.per_position()), draft_tokens, draft_probs,
-                 num_drafts, st, first_position)
+def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_position, draft_rows):
+    if draft_rows is not None:
+        draft_probs = draft_probs[draft_rows, :draft_tokens.shape[1]]
+    probs, block_mass = distribution(logits, st.per_position())
+    out = verify(probs, draft_tokens, draft_probs, num_drafts, st, first_position, block_mass)
     return out.num_accepted, out.next_token, out.is_bonus
 
 
@@ -358,16 +392,21 @@ def use_eager_sampling() -> None:
     _fused.update(drafts=_sample_drafts, verify=_verify_logits)
 
 
-def sample_drafts(logits: torch.Tensor, st: SamplingTensors,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft tokens: logits Float[N, V], positions Long[N] (where each draft goes)
-    -> (probs Float[N, V]: the draft distributions q, tokens Long[N])."""
-    return _fused["drafts"](logits, st, positions)
+def sample_drafts(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
+                  store: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                  columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft tokens: logits Float[N, V], positions Long[N] (where each draft goes) -> tokens
+    Long[N]; with `store` Float[R, C, V], each draft's distribution q goes to store[rows[i],
+    columns[i]] (rows, columns Long[N]), written where it is computed (no [N, V] tensor between)."""
+    return _fused["drafts"](logits, st, positions, store, rows, columns)
 
 
 def verify_logits(logits: torch.Tensor, draft_tokens: torch.Tensor,
                   draft_probs: torch.Tensor | None, num_drafts: torch.Tensor, st: SamplingTensors,
-                  first_position: torch.Tensor) -> VerifyResult:
-    """`verify` from the target's logits Float[B, K+1, V] (st: one row per request)."""
+                  first_position: torch.Tensor,
+                  draft_rows: torch.Tensor | None = None) -> VerifyResult:
+    """`verify` from the target's logits Float[B, K+1, V] (st: one row per request). With
+    `draft_rows` Long[B], draft_probs is a store Float[R, >= K, V] whose rows draft_rows hold the
+    requests' draft distributions, read where they are used (no [B, K, V] copy)."""
     return VerifyResult(*_fused["verify"](logits, draft_tokens, draft_probs, num_drafts, st,
-                                          first_position))
+                                          first_position, draft_rows))

@@ -16,7 +16,13 @@ import torch
 from nano_sparsespec import verifier as vf
 from nano_sparsespec.config import SamplingParams
 from nano_sparsespec.verifier import (SALT_ACCEPT, SALT_DRAFT, SALT_RESIDUAL, SALT_TARGET, SamplingTensors,
-                                      probs_from_logits, sample, uniform, verify, verify_greedy, verify_rejection)
+                                      distribution, sample, uniform, verify, verify_greedy, verify_rejection)
+
+
+def probs_from_logits(logits, st):
+    """`distribution`'s probabilities alone."""
+    return distribution(logits, st)[0]
+
 
 Z_ALPHA = 3.090232306167813  # standard normal quantile at 1 - alpha, alpha = 1e-3
 
@@ -205,9 +211,10 @@ def _check_uniform_against_python_hash():   # (a helper so that the hash reads t
     not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable"))])
 def test_sample_and_verify_from_logits(compiled):
     """`sample_drafts` / `verify_logits` (what the engine calls; `compile_sampling` fuses them on the fast path) give
-    what the separate steps give: `probs_from_logits` row by row, then `sample` / `verify`. Eager: exactly. Compiled:
-    the hash's integer ops exactly (same uniforms), probabilities within float rounding, so tokens agree but for a rare
-    uniform that lands on a rounded boundary (at most one row of 300); greedy rows exactly."""
+    what the separate steps give: `distribution` row by row, then `sample` / `verify`, with the drafts' distributions
+    written to and read from rows of a store. Eager: exactly. Compiled: the hash's integer ops exactly (same uniforms),
+    probabilities within float rounding, so tokens agree but for a rare uniform that lands on a rounded boundary (at
+    most one row of 300); greedy rows exactly."""
     g = torch.Generator().manual_seed(21)
     B, K, V = 300, 4, 500
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0][b % 3], top_k=[0, 40][b % 2], top_p=[1.0, 0.8][b % 4 // 2])
@@ -219,16 +226,23 @@ def test_sample_and_verify_from_logits(compiled):
     num_drafts = torch.randint(0, K + 1, (B,), generator=g)
     drafts = torch.randint(0, V, (B, K), generator=g)
     draft_probs = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    # a store of 2B rows of K + 1 distributions: request b's drafts in row 2b + 1
+    rows = torch.arange(B) * 2 + 1
+    store = torch.zeros(2 * B, K + 1, V)
+    store[rows, :K] = draft_probs
 
-    probs = probs_from_logits(logits.flatten(0, 1), st.rows(torch.arange(B).repeat_interleave(K + 1)))
-    want_tokens = sample(probs.view(B, K + 1, V)[:, 0], st, first, SALT_DRAFT)
-    want = [verify(probs.view(B, K + 1, V), drafts, q, num_drafts, st, first) for q in (draft_probs, None)]
-    want.append(verify(probs.view(B, K + 1, V)[:, :1], drafts[:, :0], None, num_drafts * 0, st, first))
+    probs, mass = distribution(logits.flatten(0, 1), st.rows(torch.arange(B).repeat_interleave(K + 1)))
+    probs, mass = probs.view(B, K + 1, V), mass.view(B, K + 1, -1)
+    want_tokens = sample(probs[:, 0], st, first, SALT_DRAFT, mass[:, 0])
+    want = [verify(probs, drafts, q, num_drafts, st, first) for q in (draft_probs, None)]
+    want.append(verify(probs[:, :1], drafts[:, :0], None, num_drafts * 0, st, first, mass[:, :1]))
     if compiled:
         vf.compile_sampling()
     try:
-        got_probs, got_tokens = vf.sample_drafts(logits[:, 0], st, first)
-        got = [vf.verify_logits(logits, drafts, q, num_drafts, st, first) for q in (draft_probs, None)]
+        column = torch.full((B,), K)
+        got_tokens = vf.sample_drafts(logits[:, 0], st, first, store, rows, column)
+        got = [vf.verify_logits(logits, drafts, store, num_drafts, st, first, rows),
+               vf.verify_logits(logits, drafts, None, num_drafts, st, first)]
         got.append(vf.verify_logits(logits[:, :1], drafts[:, :0], None, num_drafts * 0, st, first))
     finally:
         vf.use_eager_sampling()
@@ -240,13 +254,32 @@ def test_sample_and_verify_from_logits(compiled):
         return torch.equal(a[greedy], b[greedy]) and int((a != b).sum()) <= 1
 
     if compiled:
-        torch.testing.assert_close(got_probs, probs.view(B, K + 1, V)[:, 0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(store[rows, K], probs[:, 0], atol=1e-6, rtol=1e-5)
     else:
-        assert torch.equal(got_probs, probs.view(B, K + 1, V)[:, 0])
+        assert torch.equal(store[rows, K], probs[:, 0])
+    assert torch.equal(store[rows, :K], draft_probs) and not store[rows - 1].any()    # no other row written
     assert same(got_tokens, want_tokens)
     for w, o in zip(want, got):
         assert same(o.num_accepted, w.num_accepted) and same(o.next_token, w.next_token)
         assert torch.equal(o.is_bonus, o.num_accepted == (num_drafts if o is not got[-1] else 0))
+
+
+def test_distribution_block_mass_is_the_blocks_probability():
+    """`distribution`'s block masses are its probabilities summed over each block of CDF_BLOCK tokens, blocks that
+    top-k leaves empty included (0, not NaN), and sampling from them finds the tokens that summing the blocks finds."""
+    g = torch.Generator().manual_seed(8)
+    N, V = 600, vf.CDF_BLOCK * 4 + 21
+    logits = torch.randn(N, V, generator=g) * 4 - 30          # far below 0: the log-normalizer must not underflow
+    params = [SamplingParams(temperature=[0.05, 0.7, 1.5][i % 3], top_k=[0, 3][i % 2]) for i in range(N)]
+    st = st_of(params, range(N))
+    probs, mass = distribution(logits, st)
+    want = vf._blocks(probs, 0.0).sum(-1)
+    assert mass.shape == (N, 5) and torch.isfinite(mass).all() and (mass[1::2] == 0).sum(-1).min() >= 2
+    torch.testing.assert_close(mass, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(N), atol=1e-5, rtol=0)
+    positions = torch.randint(0, 10**6, (N,), generator=g)
+    by_mass, by_sum = sample(probs, st, positions, SALT_TARGET, mass), sample(probs, st, positions, SALT_TARGET)
+    assert int((by_mass != by_sum).sum()) <= 1 and (probs.gather(1, by_mass[:, None]) > 0).all()
 
 
 @pytest.mark.parametrize("pair", ["salt", "position", "seed"])
