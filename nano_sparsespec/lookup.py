@@ -74,7 +74,8 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
     whose previous token matches too (a bigram match, the likelier copy source) come first.
     -> positions [B, 2 * matches] ordered (p0, p0 + 1, p1, p1 + 1, ...), valid [B, 2 * matches]
     bool: p found, p + 1 inside the verified context (later positions are in the draft's recent
-    window anyway), and not already listed earlier in the row."""
+    window anyway), and not already listed earlier in the row. Every position, valid or not, is at
+    most max(context_len, 1): the runner copies the K/V of all of them."""
     B, Lc = context_tokens.shape
     pos = torch.arange(Lc, device=context_tokens.device)
     hit = (context_tokens == tokens[:, None]) & (pos[None, :] < context_len[:, None])  # [B, Lc]
@@ -85,7 +86,8 @@ def lookup_positions(context_tokens: torch.Tensor, tokens: torch.Tensor, context
         key = key + (hit & follows) * Lc                   # bigram hits rank above all others
     top = key.topk(min(matches, Lc), dim=1).values                                      # [B, m]
     top = F.pad(top, (0, matches - top.shape[1]))                   # m > Lc: pad with "no hit"
-    found = (top - 1) % Lc                                                    # p (junk if none)
+    # p; none found: 0, so that even a junk position's K/V read stays in the block table
+    found = torch.where(top > 0, (top - 1) % Lc, 0)                                    # [B, m]
     positions = torch.stack([found, found + 1], dim=-1).flatten(1)                      # [B, 2m]
     valid = torch.stack([top > 0, (top > 0) & (found + 1 < context_len[:, None])],
                         dim=-1).flatten(1)

@@ -43,6 +43,8 @@ def test_lookup_positions_matches_reference(with_prev, m):
     lens = torch.randint(1, Lc + 1, (B,), generator=g)
     positions, valid = lookup_positions(context, tokens, lens, m, prev)
     assert positions.shape == valid.shape == (B, 2 * m)
+    # the runner reads the K/V of every position, found or not: none lies past the verified context
+    assert (positions <= lens.clamp(min=1)[:, None]).all() and (positions >= 0).all()
     for b in range(B):
         got = positions[b][valid[b]].tolist()
         ref = lookup_reference(context[b].tolist(), int(tokens[b]), int(lens[b]), m,
