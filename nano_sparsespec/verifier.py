@@ -173,10 +173,11 @@ def distribution(logits: torch.Tensor,
         scaled = _top_k_top_p(scaled, st.top_k, st.top_p)
     blocks = _blocks(scaled, float("-inf"))                              # [..., nb, C]
     top = blocks.amax(-1)                                                # [..., nb]
+    # each block's sum of exp(scaled - its largest), read in the same pass as its largest (a block
+    # filtered away: -inf, here 0, sums to 0, no NaN)
+    within = (blocks - torch.where(top > float("-inf"), top, 0.0)[..., None]).exp().sum(-1)
     peak = top.amax(-1, keepdim=True)                                    # [..., 1] finite
-    top = torch.where(top > float("-inf"), top, peak)   # a block filtered away sums to 0, no NaN
-    # each block's sum of exp(scaled - peak), from its own largest (no underflow within it)
-    block_sum = (blocks - top[..., None]).exp().sum(-1) * (top - peak).exp()   # [..., nb]
+    block_sum = within * (top - peak).exp()                      # [..., nb] of exp(scaled - peak)
     total = block_sum.sum(-1, keepdim=True)                              # [..., 1] >= 1
     probs = (scaled - peak).exp() / total                                # [..., V] softmax
     if not st.any_greedy:       # every row samples: no one-hot pass
@@ -376,15 +377,22 @@ def sizes_apart(compiled):
     return run
 
 
-def compiled_apart(fn):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`)."""
-    return sizes_apart(torch.compile(fn, dynamic=True))
+def compiled_apart(fn, options: dict | None = None):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`); `options`:
+    the compiler's settings for `fn` alone."""
+    return sizes_apart(torch.compile(fn, dynamic=True, options=options))
+
+
+# The compiler stores an elementwise result that several readers share once it reads more than a
+# few inputs; the probabilities (`distribution`) are cheap to compute again in each reader, and a
+# stored copy is a write and a read of [rows, V].
+RECOMPUTE_PROBS = {"realize_reads_threshold": 1000, "realize_opcount_threshold": 1000}
 
 
 def compile_sampling() -> None:
     """Swap in torch.compile'd (fused) draft sampling and verification."""
-    _fused["drafts"] = compiled_apart(_sample_drafts)
-    _fused["verify"] = torch.compile(_verify_logits, dynamic=True)
+    _fused["drafts"] = compiled_apart(_sample_drafts, RECOMPUTE_PROBS)
+    _fused["verify"] = torch.compile(_verify_logits, dynamic=True, options=RECOMPUTE_PROBS)
 
 
 def use_eager_sampling() -> None:
