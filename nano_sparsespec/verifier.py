@@ -377,10 +377,9 @@ def sizes_apart(compiled):
     return run
 
 
-def compiled_apart(fn, options: dict | None = None):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`); `options`:
-    the compiler's settings for `fn` alone."""
-    return sizes_apart(torch.compile(fn, dynamic=True, options=options))
+def compiled_apart(fn):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`)."""
+    return sizes_apart(torch.compile(fn, dynamic=True))
 
 
 # The compiler stores an elementwise result that several readers share once it reads more than a
@@ -390,9 +389,12 @@ RECOMPUTE_PROBS = {"realize_reads_threshold": 1000, "realize_opcount_threshold":
 
 
 def compile_sampling() -> None:
-    """Swap in torch.compile'd (fused) draft sampling and verification."""
-    _fused["drafts"] = compiled_apart(_sample_drafts, RECOMPUTE_PROBS)
-    _fused["verify"] = torch.compile(_verify_logits, dynamic=True, options=RECOMPUTE_PROBS)
+    """Swap in torch.compile'd (fused) draft sampling and verification. Sizes become dynamic where
+    they change from one call to the next (rows, drafts), so the vocabulary and the drafts'
+    store stay constants of the kernels (a symbolic vocabulary makes every element's index a
+    runtime division)."""
+    _fused["drafts"] = sizes_apart(torch.compile(_sample_drafts, options=RECOMPUTE_PROBS))
+    _fused["verify"] = torch.compile(_verify_logits, options=RECOMPUTE_PROBS)
 
 
 def use_eager_sampling() -> None:
