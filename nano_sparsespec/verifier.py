@@ -388,13 +388,25 @@ def compiled_apart(fn):
 RECOMPUTE_PROBS = {"realize_reads_threshold": 1000, "realize_opcount_threshold": 1000}
 
 
+def vocabulary_static(fn, *vocab_args: int):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`), but for the
+    last dim of its arguments `vocab_args` (indices; a missing tensor is skipped): the vocabulary
+    stays a constant of the kernels (a symbolic one makes every element's index a runtime
+    division)."""
+    compiled = sizes_apart(torch.compile(fn, dynamic=True, options=RECOMPUTE_PROBS))
+
+    def run(*args):
+        for i in vocab_args:
+            if args[i] is not None:
+                torch._dynamo.mark_static(args[i], args[i].dim() - 1)
+        return compiled(*args)
+    return run
+
+
 def compile_sampling() -> None:
-    """Swap in torch.compile'd (fused) draft sampling and verification. Sizes become dynamic where
-    they change from one call to the next (rows, drafts), so the vocabulary and the drafts'
-    store stay constants of the kernels (a symbolic vocabulary makes every element's index a
-    runtime division)."""
-    _fused["drafts"] = sizes_apart(torch.compile(_sample_drafts, options=RECOMPUTE_PROBS))
-    _fused["verify"] = torch.compile(_verify_logits, options=RECOMPUTE_PROBS)
+    """Swap in torch.compile'd (fused) draft sampling and verification."""
+    _fused["drafts"] = vocabulary_static(_sample_drafts, 0, 3)     # logits, store
+    _fused["verify"] = vocabulary_static(_verify_logits, 0, 2)     # logits, draft_probs
 
 
 def use_eager_sampling() -> None:
