@@ -173,8 +173,8 @@ def distribution(logits: torch.Tensor,
         scaled = _top_k_top_p(scaled, st.top_k, st.top_p)
     blocks = _blocks(scaled, float("-inf"))                              # [..., nb, C]
     top = blocks.amax(-1)                                                # [..., nb]
-    # each block's sum of exp(scaled - its largest), read in the same pass as its largest (a block
-    # filtered away: -inf, here 0, sums to 0, no NaN)
+    # each block's sum of exp(scaled - its largest), in the pass that finds its largest (a block
+    # filtered away, largest -inf, subtracts 0 instead: it sums to 0, not NaN)
     within = (blocks - torch.where(top > float("-inf"), top, 0.0)[..., None]).exp().sum(-1)
     peak = top.amax(-1, keepdim=True)                                    # [..., 1] finite
     block_sum = within * (top - peak).exp()                      # [..., nb] of exp(scaled - peak)
