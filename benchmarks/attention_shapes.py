@@ -28,7 +28,7 @@ import json
 
 import torch
 
-from nano_sparsespec import attention, kernels, verifier
+from nano_sparsespec import attention, kernels
 from nano_sparsespec import paged as paged_kernel
 from nano_sparsespec.cuda_graphs import fast_draft_width
 
@@ -81,7 +81,7 @@ def main() -> None:
 
 def draft_widths(args) -> dict:
     first, last, step = (int(x) for x in args.widths.split(":"))
-    forms = {"matmul": verifier.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True)),
+    forms = {"matmul": kernels.sizes_apart(torch.compile(attention.sparse_drafts, dynamic=True)),
              "flex": attention._kernels["sparse"]}
     options = dict(device="cuda", dtype=torch.bfloat16)
     T, H = DRAFTS + 1, KV_HEADS * GROUP

@@ -16,6 +16,9 @@ Owns
     resume function recompiles).
   * `compile_elementwise`: the model's norms (a row reduced in one pass: one kernel a norm),
     RoPE and SiLU, fused, for static sizes but the token rows.
+  * `compile_sampling`: draft sampling and verification, fused, the vocabulary a constant
+    (`vocabulary_static`) and the probabilities computed again in each reader, not stored.
+  * `sizes_apart`, `compiled_apart`: compiled functions traced without duck sizing.
   * `use_eager_kernels` (the reference) and `use_paged_reference` (paged.py's kernel with
     uncompiled flex_attention: torch's reference implementation over the whole pool, which the
     CPU tests run on tiny pools).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.fx.experimental import _config as shapes_config
 
 from . import attention, lookup, model, pillar_attn, verifier
 from . import paged as paged_kernel
@@ -55,7 +59,7 @@ def compile_fast_path(device: torch.device, cuda_graphs: bool, exact: bool = Fal
     use_project_compile_cache()
     compile_kernels(paged=device.type == "cuda" and cuda_graphs, exact=exact)
     compile_elementwise()
-    verifier.compile_sampling()
+    compile_sampling()
 
 
 def compile_kernels(paged: bool = False, exact: bool = False) -> None:
@@ -73,7 +77,7 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     kernels = attention._kernels
     kernels["store"] = compile_store()
     kernels["scores"] = torch.compile(pillar_scores, dynamic=True)
-    kernels["sparse"] = verifier.compiled_apart(attention.sparse_drafts)
+    kernels["sparse"] = compiled_apart(attention.sparse_drafts)
     # pillar-lookup's draft columns, in two pieces: drafts, columns, selection width and context
     # dynamic; layers, KV heads and buffer rows constants (symbolic ones: a division per index).
     # lookup_lists(seen, rows, selection_len, selection_start, context_tokens, tokens, verified,
@@ -81,15 +85,15 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
     # found_valid, column_rank)
     lists_dynamic = {0: (0, 1), 4: (1,)} | {i: (0,) for i in (1, 2, 3, 5, 6, 7)}
     columns_dynamic = {0: (0, 1), 1: (3,), 6: (0, 1)} | {i: (0,) for i in (2, 3, 4, 5)}
-    lookup._kernels.update(lists=verifier.sizes_apart(_static_but(lookup.lookup_lists,
+    lookup._kernels.update(lists=sizes_apart(_static_but(lookup.lookup_lists,
                                                                   lists_dynamic)),
-                           columns=verifier.sizes_apart(_static_but(lookup.lookup_columns,
+                           columns=sizes_apart(_static_but(lookup.lookup_columns,
                                                                     columns_dynamic)))
     kernels["fill"] = compile_fill()
-    pillar_attn._kernels["keys"] = verifier.compiled_apart(pillar_attn.selection_keys)
+    pillar_attn._kernels["keys"] = compiled_apart(pillar_attn.selection_keys)
     if paged:
         # (torch's CPU compiler makes the re-ranking's scatters and scans slower than eager ones)
-        pillar_attn._kernels["merge"] = verifier.compiled_apart(pillar_attn.merge_ranked)
+        pillar_attn._kernels["merge"] = compiled_apart(pillar_attn.merge_ranked)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         # paged_attend(out, q, q_index, ...): token rows T dynamic, and a small dense batch;
         # score_inputs(q, q_index, k_layer, block_table, block_size, score_weight, lse) and
@@ -102,7 +106,7 @@ def compile_kernels(paged: bool = False, exact: bool = False) -> None:
                                                           3: (0,), 4: (0,)}))
         # drafts reading their rows in place (flex_drafts.py): T, Bs and the columns N dynamic
         rows_dynamic = {i: (0,) for i in (0, 1, 2, 3, 6, 7, 8, 9)}
-        in_place = verifier.sizes_apart(_static_but(flex_drafts, rows_dynamic | {10: (2,)}))
+        in_place = sizes_apart(_static_but(flex_drafts, rows_dynamic | {10: (2,)}))
         kernels.update(paged=paged_dense, prepare=paged_prepare,
                        sparse=drafts_by_reading(kernels["sparse"], in_place))
 
@@ -161,7 +165,7 @@ def compile_store():
     constants, the rows moved as integer words (`as_words`); the step's token rows and window
     writes dynamic. Two compilations: with and without the window writes."""
     pool_only = _static_but(attention.store_kv, {2: (0,), 3: (0,), 4: (0,)})
-    with_window = verifier.sizes_apart(
+    with_window = sizes_apart(
         _static_but(attention.store_kv, {i: (0,) for i in (2, 3, 4, 7, 8, 9)}))
 
     def store(k_layer, v_layer, slots, k, v, *window) -> None:
@@ -183,7 +187,7 @@ def compile_fill():
     run: positions per layer and KV head (a selection), and positions shared by all (a pending
     draft's, lookup)."""
     # batch, table width and positions per row dynamic
-    compiled = verifier.sizes_apart(_static_but(attention.fill_draft_buffers,
+    compiled = sizes_apart(_static_but(attention.fill_draft_buffers,
                                                 {4: (0, 1), 6: (0, 3), 7: (0,), 8: (0, 1)}))
 
     def fill(k_cache, v_cache, draft_k, draft_v, block_table, block_size: int, positions, rows,
@@ -219,3 +223,48 @@ def use_paged_reference() -> None:
     _paged.update(PAGED_PIECES)
 
 
+def sizes_apart(compiled):
+    """A compiled function traced without duck sizing: dynamo gives sizes that are equal when it
+    traces one symbol (a step of drafts alone has as many token rows as the draft buffers have
+    rows; the draft logits' storage offset, the checks' rows before them, may be one row of the
+    vocabulary), and the next step, where they differ, would compile it again."""
+    def run(*args):
+        # as `shapes_config.patch(use_duck_shape=False)`, at a fourth of its host time
+        duck, shapes_config.use_duck_shape = shapes_config.use_duck_shape, False
+        try:
+            return compiled(*args)
+        finally:
+            shapes_config.use_duck_shape = duck
+    return run
+
+
+def compiled_apart(fn):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`)."""
+    return sizes_apart(torch.compile(fn, dynamic=True))
+
+
+# The compiler stores an elementwise result that several readers share once it reads more than a
+# few inputs; the probabilities (`distribution`) are cheap to compute again in each reader, and a
+# stored copy is a write and a read of [rows, V].
+RECOMPUTE_PROBS = {"realize_reads_threshold": 1000, "realize_opcount_threshold": 1000}
+
+
+def vocabulary_static(fn, *vocab_args: int):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`), but for the
+    last dim of its arguments `vocab_args` (indices; a missing tensor is skipped): the vocabulary
+    stays a constant of the kernels (a symbolic one makes every element's index a runtime
+    division)."""
+    compiled = sizes_apart(torch.compile(fn, dynamic=True, options=RECOMPUTE_PROBS))
+
+    def run(*args):
+        for i in vocab_args:
+            if args[i] is not None:
+                torch._dynamo.mark_static(args[i], args[i].dim() - 1)
+        return compiled(*args)
+    return run
+
+
+def compile_sampling() -> None:
+    """Swap torch.compile'd (fused) draft sampling and verification into verifier.py's table."""
+    verifier._fused["drafts"] = vocabulary_static(verifier._sample_drafts, 0, 3)  # logits, store
+    verifier._fused["verify"] = vocabulary_static(verifier._verify_logits, 0, 2)  # logits, q

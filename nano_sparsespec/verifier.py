@@ -8,7 +8,8 @@ Owns
     per row).
   * `verify` — accepts a prefix of a request's drafts (greedy match or lossless rejection
     sampling), then a *recovered* token from max(0, p - q), or a *bonus* one if all are accepted.
-  * `sample_drafts`, `verify_logits` — logits in, tokens out; `compile_sampling()` fuses them.
+  * `sample_drafts`, `verify_logits` — logits in, tokens out (`kernels.compile_sampling` fuses
+    them; `use_eager_sampling` restores the reference).
 
 Must not touch the KV cache or the model, nor sync with the host (.item(), .tolist(),
 data-dependent branches): only shapes and host-side flags decide Python control flow.
@@ -21,7 +22,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental import _config as shapes_config
 
 from .config import SamplingParams
 from .device import to_device
@@ -358,55 +358,9 @@ def _verify_logits(logits, draft_tokens, draft_probs, num_drafts, st, first_posi
     return out.num_accepted, out.next_token, out.is_bonus
 
 
-# compile_sampling() fuses a step's dozens of small kernels into a few (the hash stays exact).
+# kernels.compile_sampling() fuses a step's dozens of small kernels into a few (the hash stays
+# exact).
 _fused = {"drafts": _sample_drafts, "verify": _verify_logits}
-
-
-def sizes_apart(compiled):
-    """A compiled function traced without duck sizing: dynamo gives sizes that are equal when it
-    traces one symbol (a step of drafts alone has as many token rows as the draft buffers have
-    rows; the draft logits' storage offset, the checks' rows before them, may be one row of the
-    vocabulary), and the next step, where they differ, would compile it again."""
-    def run(*args):
-        # as `shapes_config.patch(use_duck_shape=False)`, at a fourth of its host time
-        duck, shapes_config.use_duck_shape = shapes_config.use_duck_shape, False
-        try:
-            return compiled(*args)
-        finally:
-            shapes_config.use_duck_shape = duck
-    return run
-
-
-def compiled_apart(fn):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`)."""
-    return sizes_apart(torch.compile(fn, dynamic=True))
-
-
-# The compiler stores an elementwise result that several readers share once it reads more than a
-# few inputs; the probabilities (`distribution`) are cheap to compute again in each reader, and a
-# stored copy is a write and a read of [rows, V].
-RECOMPUTE_PROBS = {"realize_reads_threshold": 1000, "realize_opcount_threshold": 1000}
-
-
-def vocabulary_static(fn, *vocab_args: int):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`), but for the
-    last dim of its arguments `vocab_args` (indices; a missing tensor is skipped): the vocabulary
-    stays a constant of the kernels (a symbolic one makes every element's index a runtime
-    division)."""
-    compiled = sizes_apart(torch.compile(fn, dynamic=True, options=RECOMPUTE_PROBS))
-
-    def run(*args):
-        for i in vocab_args:
-            if args[i] is not None:
-                torch._dynamo.mark_static(args[i], args[i].dim() - 1)
-        return compiled(*args)
-    return run
-
-
-def compile_sampling() -> None:
-    """Swap in torch.compile'd (fused) draft sampling and verification."""
-    _fused["drafts"] = vocabulary_static(_sample_drafts, 0, 3)     # logits, store
-    _fused["verify"] = vocabulary_static(_verify_logits, 0, 2)     # logits, draft_probs
 
 
 def use_eager_sampling() -> None:

@@ -323,7 +323,7 @@ def test_a_speculating_run_compiles_its_verification_and_draft_attention_once(ti
     draft columns."""
     from nano_sparsespec.tools.measure import CompiledFrames
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    verifier.compile_sampling()
+    kernels.compile_sampling()
     kernels.compile_kernels()
     try:
         with CompiledFrames() as compiled:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from nano_sparsespec import kernels
 from nano_sparsespec import verifier as vf
 from nano_sparsespec.config import SamplingParams
 from nano_sparsespec.verifier import (SALT_ACCEPT, SALT_DRAFT, SALT_RESIDUAL, SALT_TARGET, SamplingTensors,
@@ -210,11 +211,11 @@ def _check_uniform_against_python_hash():   # (a helper so that the hash reads t
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
     not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(), reason="torch.compile unavailable"))])
 def test_sample_and_verify_from_logits(compiled):
-    """`sample_drafts` / `verify_logits` (what the engine calls; `compile_sampling` fuses them on the fast path) give
-    what the separate steps give: `distribution` row by row, then `sample` / `verify`, with the drafts' distributions
-    written to and read from rows of a store. Eager: exactly. Compiled: the hash's integer ops exactly (same uniforms),
-    probabilities within float rounding, so tokens agree but for a rare uniform that lands on a rounded boundary (at
-    most one row of 300); greedy rows exactly."""
+    """`sample_drafts` / `verify_logits` (what the engine calls; `kernels.compile_sampling` fuses them on the fast
+    path) give what the separate steps give: `distribution` row by row, then `sample` / `verify`, with the drafts'
+    distributions written to and read from rows of a store. Eager: exactly. Compiled: the hash's integer ops exactly
+    (same uniforms), probabilities within float rounding, so tokens agree but for a rare uniform that lands on a
+    rounded boundary (at most one row of 300); greedy rows exactly."""
     g = torch.Generator().manual_seed(21)
     B, K, V = 300, 4, 500
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0][b % 3], top_k=[0, 40][b % 2], top_p=[1.0, 0.8][b % 4 // 2])
@@ -237,7 +238,7 @@ def test_sample_and_verify_from_logits(compiled):
     want = [verify(probs, drafts, q, num_drafts, st, first) for q in (draft_probs, None)]
     want.append(verify(probs[:, :1], drafts[:, :0], None, num_drafts * 0, st, first, mass[:, :1]))
     if compiled:
-        vf.compile_sampling()
+        kernels.compile_sampling()
     try:
         column = torch.full((B,), K)
         got_tokens = vf.sample_drafts(logits[:, 0], st, first, store, rows, column)
