@@ -238,9 +238,10 @@ def sizes_apart(compiled):
     return run
 
 
-def compiled_apart(fn):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`)."""
-    return sizes_apart(torch.compile(fn, dynamic=True))
+def compiled_apart(fn, options: dict | None = None):
+    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`); `options`:
+    the compiler's settings for `fn` alone."""
+    return sizes_apart(torch.compile(fn, dynamic=True, options=options))
 
 
 # The compiler stores an elementwise result that several readers share once it reads more than a
@@ -250,11 +251,10 @@ RECOMPUTE_PROBS = {"realize_reads_threshold": 1000, "realize_opcount_threshold":
 
 
 def vocabulary_static(fn, *vocab_args: int):
-    """`fn` compiled for dynamic shapes, traced without duck sizing (`sizes_apart`), but for the
-    last dim of its arguments `vocab_args` (indices; a missing tensor is skipped): the vocabulary
-    stays a constant of the kernels (a symbolic one makes every element's index a runtime
-    division)."""
-    compiled = sizes_apart(torch.compile(fn, dynamic=True, options=RECOMPUTE_PROBS))
+    """`fn` as `compiled_apart` compiles it (with `RECOMPUTE_PROBS`), but for the last dim of its
+    arguments `vocab_args` (indices; a missing tensor is skipped): the vocabulary stays a constant
+    of the kernels (a symbolic one makes every element's index a runtime division)."""
+    compiled = compiled_apart(fn, RECOMPUTE_PROBS)
 
     def run(*args):
         for i in vocab_args:
