@@ -76,7 +76,7 @@ class SparseBatch:
     write_row: torch.Tensor      # [Bs] the buffer row its own K/V go to (padding: the scratch row)
     write_column: torch.Tensor   # [Bs] ... and the column there
     valid: torch.Tensor          # [L, R + 1, n_kv, N] bool: the columns each row attends to
-                                 #   (rows no draft reads: column 0 alone, a finite softmax);
+                                 #   (a row no draft reads: another row's, its output unread);
                                  #   gathered: [L, Bs, n_kv, N], each draft's
     block_lists: tuple | None = None   # the fast path's kernel: its block lists, the same in
                                        #   every layer (flex_drafts.py, built by paged.py)

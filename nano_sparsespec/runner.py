@@ -22,7 +22,7 @@ import time
 import torch
 
 from . import attention, lookup, verifier
-from .attention import AttentionContext, DenseBatch, SparseBatch, as_words, gathered
+from .attention import AttentionContext, DenseBatch, SparseBatch, gathered
 from .config import SamplingParams, SpecConfig
 from .cuda_graphs import Graphs, StepGraphs, round_up
 from .device import Packed, to_device
@@ -285,9 +285,11 @@ class ModelRunner(SelectionStore):
         read_row, valid = None, seen.transpose(0, 1)  # gathered: [L, Bs, n_kv, N], each draft's
         if not gathered(shape.sparse_batch, R + 1):           # else the rows read in place
             read_row = rows.clamp(max=R)                      # padding drafts: row R
-            valid = (column == 0).expand(L, R + 1, n_kv, N).clone()  # rows no draft reads: 0
-            # each (layer, row, KV head)'s N flags move as N / 8 words (N is 8-aligned)
-            as_words(valid)[:, read_row] = as_words(seen.transpose(0, 1))
+            # each buffer row's draft, so that one gather moves the flags (a row no draft reads
+            # takes draft 0's: a finite softmax, its output unread)
+            draft_of_row = torch.zeros(R + 1, dtype=torch.long, device=self.device).scatter_(
+                0, read_row, torch.arange(len(rows), device=self.device))           # [R + 1]
+            valid = seen.index_select(0, draft_of_row).transpose(0, 1)     # [L, R + 1, n_kv, N]
         return SparseBatch(dev["sparse_first_row"], read_row, rows,
                            first_window[:, 0] + window - 1, valid)
 
