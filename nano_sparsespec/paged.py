@@ -40,8 +40,9 @@ SMALL_BATCH = 128
 smallest_kernel_batch = 2
 # Triton settings of the decoding kernel: three pipeline stages overlap a block's loads with the
 # math of the blocks before (torch's default for sm_90 is one); a verification's 27 rows per KV
-# head need the third to keep the loads streaming (BENCHMARKS.md, kernel settings). One CTA per
-# chunk: by default the kernel splits a context further, by a count chosen from the batch size.
+# head need the third to keep the loads streaming (a plain row's attention is as fast with two).
+# One CTA per chunk: by default the kernel splits a context further, by a count chosen from the
+# batch size.
 PAGED_KERNEL_OPTIONS = {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 1}
 # Whether the paged kernel computes a row with the same arithmetic in every step, whatever the
 # rows beside it (`kernels.compile_kernels(exact=True)`): every step cuts contexts into the same
