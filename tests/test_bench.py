@@ -12,7 +12,7 @@ import torch
 from nano_sparsespec.run_stats import kv_positions_read
 from nano_sparsespec.cuda_graphs import compile_seconds
 from nano_sparsespec.device import common_prefix
-from nano_sparsespec.tools import bench, measure, profile, report, rows as bench_rows
+from nano_sparsespec.tools import bench, measure, model_shapes, profile, report, rows as bench_rows
 from nano_sparsespec.config import SamplingParams, SpecConfig
 from nano_sparsespec.scheduler import Sequence, Work
 from nano_sparsespec.tools.measure import StepClock, tenths
@@ -203,9 +203,9 @@ def test_byte_model_by_hand(tiny_qwen3):
 
 def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys):
     # A random-weight model built from a config (as for the Qwen3-1.7B / 8B shapes), shrunk to test size.
-    monkeypatch.setitem(profile.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
-                                                               num_kv_heads=2, head_dim=16, intermediate_size=128,
-                                                               vocab_size=300, tie_word_embeddings=True))
+    monkeypatch.setitem(model_shapes.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+                                                                    num_kv_heads=2, head_dim=16, intermediate_size=128,
+                                                                    vocab_size=300, tie_word_embeddings=True))
     out = tmp_path / "p.json"
     argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48,1x600",
             "--profile-models", "model,qwen3-tiny", "--stride", str(K), "--min-budget", "8", "--profile-reps", "1",
@@ -297,9 +297,9 @@ def test_score_every_and_refresh_every_reach_the_rows_and_the_profile(tiny_qwen3
 def test_a_profile_of_shapes_alone_compiles_when_asked(tmp_path, monkeypatch):
     """`--compile` profiles the fast path whether or not a model is loaded: with Qwen3 shapes alone (no LLM built)
     the compiled kernels are switched on all the same (else such a profile would time the eager kernels)."""
-    monkeypatch.setitem(profile.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
-                                                               num_kv_heads=2, head_dim=16, intermediate_size=128,
-                                                               vocab_size=300, tie_word_embeddings=True))
+    monkeypatch.setitem(model_shapes.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
+                                                                    num_kv_heads=2, head_dim=16, intermediate_size=128,
+                                                                    vocab_size=300, tie_word_embeddings=True))
     switched = []
     monkeypatch.setattr(bench.kernels, "compile_fast_path",
                         lambda device, graphs, exact: switched.append((device, graphs)))

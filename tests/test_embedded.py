@@ -290,7 +290,7 @@ def test_the_profile_shape_of_the_embedded_model_is_its_config(converted_dir):
     import json
 
     from nano_sparsespec.config import ModelConfig
-    from nano_sparsespec.tools.profile import shape_config
+    from nano_sparsespec.tools.model_shapes import shape_config
     real = ModelConfig.from_dict(json.loads((converted_dir / "config.json").read_text()))
     shape = shape_config("smollm2-135m", real.max_position_embeddings)
     assert dataclasses.asdict(shape) == dataclasses.asdict(real)

@@ -21,7 +21,8 @@ from .. import kernels
 from ..config import DRAFT_METHODS, SamplingParams, SpecConfig
 from ..llm import DTYPES, LLM, default_device
 from .measure import byte_model, machine_info, model_label, peak_bandwidth
-from .profile import MODEL_SHAPES, parse_shapes, run_profile
+from .model_shapes import MODEL_SHAPES
+from .profile import parse_shapes, run_profile
 from .report import plot_rows, profile_markdown, rows_markdown
 from .rows import (DEFAULT_PROMPTS, ROWS, default_kv_blocks, finish_rows, load_workload,
                    parse_rows, run_hf, run_ours, spec_for)
