@@ -201,13 +201,31 @@ def test_byte_model_by_hand(tiny_qwen3):
     assert profile.speedup_model(plain=1.0, draft=0.25, verify=1.0, k=4, accepted=3.0) == pytest.approx(2.0)
 
 
+
+def test_a_generation_speedup_averages_the_steps_as_the_context_grows():
+    """`over_generation`: with step costs linear in context between a batch's two profiled shapes, a generation's
+    balanced speedup is the mean plain step against the mean balanced one (the kept selections' mean where
+    measured); a shape with no shorter one of its model and batch gets none."""
+    def entry(batch, context, plain, mixed, refreshed=None):
+        e = {"model": "m", "batch": batch, "context": context, "plain": {"ms": plain}, "mixed": {"ms": mixed},
+             "balanced_at_accepted": {"3": 0.0}}
+        if refreshed is not None:
+            e["mixed_refreshed_ms"] = refreshed
+        return e
+    entries = [entry(8, 64, 2.0, 4.0, 3.0), entry(8, 4096, 10.0, 9.0, 5.0), entry(16, 4096, 20.0, 8.0),
+               {"model": "m", "batch": 8, "context": 8000, "skipped": "too big"}]
+    profile.over_generation(entries, k=4)
+    # (3 + 1) / (4 + 1) x (2 + 10) / (3 + 5): the plain and mean balanced steps at both ends
+    assert entries[1]["over_generation"] == {"from": 64, "balanced_at_accepted": {"3": pytest.approx(1.2)}}
+    assert "over_generation" not in entries[0] and "over_generation" not in entries[2]
+
 def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys):
     # A random-weight model built from a config (as for the Qwen3-1.7B / 8B shapes), shrunk to test size.
     monkeypatch.setitem(model_shapes.MODEL_SHAPES, "qwen3-tiny", dict(hidden_size=64, num_layers=2, num_heads=4,
                                                                     num_kv_heads=2, head_dim=16, intermediate_size=128,
                                                                     vocab_size=300, tie_word_embeddings=True))
     out = tmp_path / "p.json"
-    argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48,1x600",
+    argv = ["--model", str(tiny_qwen3[0]), "--profile-steps", "--profile-shapes", "2x48,2x600",
             "--profile-models", "model,qwen3-tiny", "--stride", str(K), "--min-budget", "8", "--profile-reps", "1",
             "--profile-accepted", "1,3", "--device", "cpu", "--threads", "1", "--json-out", str(out),
             "--profile-kernels", "3"]
@@ -243,8 +261,15 @@ def test_profile_steps_on_tiny_shapes(tiny_qwen3, tmp_path, monkeypatch, capsys)
             assert len(top) == 3 and top[0]["ms"] >= top[1]["ms"] >= top[2]["ms"] > 0
             assert e["kernels"][kind]["total_ms"] >= sum(x["ms"] for x in top) and top[0]["calls"] > 0
         assert "aten::" in e["kernels"]["verify"]["top"][0]["name"]
+    # a generation growing from the shorter context to the longer, at one batch (`over_generation`)
+    short, long = entries[("qwen3-tiny", 48)], entries[("qwen3-tiny", 600)]
+    mean = {k: short[k]["ms"] + long[k]["ms"] for k in ("plain", "mixed")}
+    assert long["over_generation"]["from"] == 48 and "over_generation" not in short
+    assert long["over_generation"]["balanced_at_accepted"]["3"] == pytest.approx(
+        4 / (K + 1) * mean["plain"] / mean["mixed"], rel=1e-2)
     printed = capsys.readouterr().out
     assert "Step profile" in printed and "Where the device time of a step goes" in printed
+    assert f"| qwen3-tiny | 2 | 48 | 600 | {long['over_generation']['balanced_at_accepted']['1']:.2f}x |" in printed
 
 
 def test_the_profile_drafts_with_the_rows_drafter(tiny_qwen3, tmp_path):

@@ -6,8 +6,10 @@ keeping their selections, for `--refresh-every`, of `batch` requests that hold `
 positions, run through the engine's own `ModelRunner` on a KV pool of random K/V, back to back as
 the engine's loop runs them, and where a step's device time goes, kernel by kernel; on the loaded
 model or a named shape with random weights, model_shapes.py) and the speedup models: lock-step,
-balanced, and the ceiling, `balanced_speedup` over a plain step with one block of context (the
-part of a step that is not attention, which no drafter that runs the model's layers undercuts).
+balanced, the ceiling (`balanced_speedup` over a plain step with one block of context, the part of
+a step that is not attention, which no drafter that runs the model's layers undercuts) and a
+generation's (`over_generation`: contexts growing from a batch's shortest profiled shape to a
+longer one).
 """
 from __future__ import annotations
 
@@ -207,6 +209,25 @@ def balanced_speedup(plain: float, step: float, k: int, accepted: float) -> floa
     return (accepted + 1) / (k + 1) * plain / step
 
 
+def over_generation(entries: list[dict], k: int) -> None:
+    """Add to each profiled entry with a shorter-context entry of its model and batch the balanced
+    speedup over a generation whose context grows from that shorter context to its own:
+    entry["over_generation"] = {"from": context, "balanced_at_accepted": {a: x}}. Each step's cost
+    taken linear in context between the two shapes, it is the mean plain step's against the mean
+    balanced step's (`mixed_refreshed_ms` where measured): the trapezoid rule, exact there."""
+    timed = [e for e in entries if "plain" in e]
+    for long in timed:
+        short = min((e for e in timed if (e["model"], e["batch"]) == (long["model"], long["batch"])
+                     and e["context"] < long["context"]), key=lambda e: e["context"], default=None)
+        if short is None:
+            continue
+        plain = short["plain"]["ms"] + long["plain"]["ms"]
+        mixed = sum(e.get("mixed_refreshed_ms", e["mixed"]["ms"]) for e in (short, long))
+        long["over_generation"] = {"from": short["context"], "balanced_at_accepted": {
+            a: round(balanced_speedup(plain, mixed, k, float(a)), 3)
+            for a in long["balanced_at_accepted"]}}
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for item in (s.strip() for s in text.split(",") if s.strip()):
@@ -325,6 +346,7 @@ def run_profile(args, llm: LLM | None, device: torch.device, dtype: torch.dtype,
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    over_generation(results, args.stride)
     return results
 
 

@@ -158,6 +158,19 @@ def profile_markdown(profile: list[dict], stride: int) -> str:
             lines.append(f"| {e['model']} | {e['batch']} x {e['context']} | "
                          f"{e['verify_kept']['ms']:.2f} | {e['mixed_kept']['ms']:.2f} | "
                          f"{e['mixed_refreshed_ms']:.2f} | " + " | ".join(balanced) + " |")
+    grown = [e for e in profile if "over_generation" in e]
+    if grown:
+        lines += ["", "Over a generation whose context grows from the shorter shape's to the "
+                      "longer's (a batch's two profiled shapes; each step's cost linear in context "
+                      "between them): the mean plain step against the mean balanced step:", "",
+                  "| model | batch | ctx from | ctx to | "
+                  + " | ".join(f"balanced @ {a} acc." for a in accepted) + " |",
+                  "|" + "---|" * (4 + len(accepted))]
+        for e in grown:
+            g = e["over_generation"]
+            lines.append(f"| {e['model']} | {e['batch']} | {g['from']} | {e['context']} | "
+                         + " | ".join(f"{g['balanced_at_accepted'][a]:.2f}x" for a in accepted)
+                         + " |")
     for e in (e for e in profile if "kernels" in e):
         lines += ["", f"Where the device time of a step goes, {e['model']} {e['batch']} x "
                       f"{e['context']} (ms per step; the kernels that take the most, calls per "
