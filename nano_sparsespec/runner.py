@@ -286,10 +286,14 @@ class ModelRunner(SelectionStore):
         if not gathered(shape.sparse_batch, R + 1):           # else the rows read in place
             read_row = rows.clamp(max=R)                      # padding drafts: row R
             # each buffer row's draft, so that one gather moves the flags (a row no draft reads
-            # takes draft 0's: a finite softmax, its output unread)
-            draft_of_row = torch.zeros(R + 1, dtype=torch.long, device=self.device).scatter_(
-                0, read_row, torch.arange(len(rows), device=self.device))           # [R + 1]
-            valid = seen.index_select(0, draft_of_row).transpose(0, 1)     # [L, R + 1, n_kv, N]
+            # takes draft 0's: a finite softmax, its output unread). Layer-major, with spare rows
+            # that start each layer's flags 16-byte aligned: compiled code copies an input that is
+            # not (were it a strided view, the whole span of all the layers' flags).
+            spare = -(R + 1) % 16
+            draft_of_row = torch.zeros(R + 1 + spare, dtype=torch.long, device=self.device)
+            draft_of_row.scatter_(0, read_row, torch.arange(len(rows), device=self.device))
+            flags = seen.transpose(0, 1).index_select(1, draft_of_row)   # [L, R+1+spare, n_kv, N]
+            valid = flags[:, :R + 1]                                        # [L, R + 1, n_kv, N]
         return SparseBatch(dev["sparse_first_row"], read_row, rows,
                            first_window[:, 0] + window - 1, valid)
 
