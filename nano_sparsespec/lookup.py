@@ -154,10 +154,22 @@ def lookup_columns(beyond, selection, rows, selection_len, found_at, found_valid
     the draft's columns `beyond` its critical positions, and those of the critical positions kept
     beside its lookups."""
     ranked = selection[rows]                                              # [Bs, L, n_kv, S]
-    # [Bs, L, n_kv, S]
-    keep = kept_beside(ranked, selection_len, found_at, found_valid, column_rank)
+    keep = kept_beside(ranked, selection_len, found_at, found_valid, column_rank,
+                       held_by_lookups(ranked, found_at, found_valid))   # [Bs, L, n_kv, S]
     N = beyond.shape[1]
     return beyond[:, None, None, :] | F.pad(keep, (0, N - keep.shape[-1]))
+
+
+def held_by_lookups(ranked: torch.Tensor, found_at: torch.Tensor,
+                    found_valid: torch.Tensor) -> torch.Tensor:
+    """Whether one of its draft's valid lookups holds each ranked position: ranked [Bs, L, n_kv,
+    S], found_at, found_valid [Bs, M] -> [Bs, L, n_kv, S] bool. One lookup at a time (M is fixed),
+    so that compiled it is one elementwise kernel rather than a reduction over the lookups."""
+    held = torch.zeros_like(ranked, dtype=torch.bool)
+    for m in range(found_at.shape[1]):
+        held = held | ((ranked == found_at[:, m, None, None, None])
+                       & found_valid[:, m, None, None, None])
+    return held
 
 
 # what `lookup_draft_columns` calls: the eager pieces, or the fast path's (kernels.py)

@@ -153,40 +153,34 @@ def select_streaming(context_len: int, budget: int, sink_tokens: int, num_layers
 
 
 def kept_beside(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-                extra_valid: torch.Tensor, column_rank: torch.Tensor | None = None) -> torch.Tensor:
+                extra_valid: torch.Tensor, column_rank: torch.Tensor | None = None,
+                held: torch.Tensor | None = None) -> torch.Tensor:
     """Which ranked positions stay beside the valid `extra` ones, so that their number stays the
     budget: those `extra` does not hold, the lowest-ranked making room.
 
     selection: [B, L, n_kv, N] distinct positions best first (as `top_positions` returns them),
     the first selection_len [B] of them real; extra, extra_valid: [B, M] (the valid ones distinct)
     -> keep [B, L, n_kv, N] bool, by rank; with `column_rank` [B, >= N] (`ring_ranks`), by column
-    of a ring, column c holding rank column_rank[b, c].
+    of a ring, column c holding rank column_rank[b, c]. `held` [B, L, n_kv, N] bool: whether a
+    valid extra position equals each selection entry, where the caller has it (else compared here).
     A rank r that no extra position holds stays while r < kept_len + (held ranks below r): the
-    kept_len best of those not held. Each extra holds at most one rank (`held_ranks`), so both
-    tests compare r with M ranks, with no scan along the selection."""
+    kept_len best of those not held, each rank compared with the extras once."""
     B, N = selection.shape[0], selection.shape[-1]
-    rank = torch.arange(N, device=selection.device).expand(B, N)                  # [B, N]
-    if column_rank is not None:                                         # each column's rank
-        rank = column_rank[:, :N]
-    held_at = held_ranks(selection, selection_len, extra, extra_valid)[..., None, :]
-    rank = rank[:, None, None, :]                                              # [B, 1, 1, N]
-    held = (held_at == rank[..., None]).any(-1)                             # [B, L, n_kv, N]
-    held_below = (held_at < rank[..., None]).sum(-1)                        # [B, L, n_kv, N]
-    kept_len = selection_len - extra_valid.sum(1)                               # [B]
-    return ((rank < selection_len[:, None, None, None]) & ~held
-            & (rank < kept_len[:, None, None, None] + held_below))
-
-
-def held_ranks(selection: torch.Tensor, selection_len: torch.Tensor, extra: torch.Tensor,
-               extra_valid: torch.Tensor) -> torch.Tensor:
-    """The rank of `selection`'s real positions that each valid extra position holds, N where it
-    holds none; arguments as `kept_beside` -> [B, L, n_kv, M]."""
-    N = selection.shape[-1]
     rank = torch.arange(N, device=selection.device)                              # [N]
     real = rank[None, :] < selection_len[:, None]                               # [B, N]
-    holds = (real[:, None, None, :, None] & extra_valid[:, None, None, None, :]
-             & (selection[..., None] == extra[:, None, None, None, :]))     # [B, L, n_kv, N, M]
-    return torch.where(holds, rank[:, None], N).amin(-2)
+    if held is None:   # by rank, whether a valid extra position holds it (compared [..., N, M])
+        held = ((selection[..., None] == extra[:, None, None, None, :])
+                & extra_valid[:, None, None, None, :]).any(-1)                 # [B, L, n_kv, N]
+    held = held & real[:, None, None, :]
+    # held ranks below each: [B, L, n_kv, N] (int32: a rank's count fits, in half the bytes)
+    held_below = held.cumsum(-1, dtype=torch.int32) - held.int()
+    if column_rank is not None:                                  # each column's rank, gathered
+        rank = column_rank[:, :N]                                                    # [B, N]
+        at_column = rank[:, None, None, :].expand_as(held)                      # [B, L, n_kv, N]
+        held, held_below = held.gather(-1, at_column), held_below.gather(-1, at_column)
+    kept_len = selection_len - extra_valid.sum(1)                               # [B]
+    return (real[:, None, None, :] & ~held
+            & (rank.expand(B, N)[:, None, None, :] < kept_len[:, None, None, None] + held_below))
 
 
 def ring_ranks(start: torch.Tensor, width: torch.Tensor, columns: int) -> torch.Tensor:
