@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import queries_by_row, write_draft_kv
+from .attention import write_draft_kv
 
 # Columns per block of the kernel's block mask: a row reads its first N columns rounded up to
 # whole blocks, so the draft buffers' width is a multiple of it on the fast path (runner.py).
@@ -27,7 +27,7 @@ DRAFT_KERNEL_OPTIONS = {"SPLIT_KV": 1, "num_stages": 2, "num_warps": 2}
 
 
 def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_column,
-                valid, counts, ids) -> None:
+                valid, counts, ids, row_queries) -> None:
     """One layer's draft tokens: their K/V join their rows of the draft buffers, then each attends
     to its row in place.
 
@@ -35,13 +35,14 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
     keys, values: [rows, n_kv, C, D] the layer's draft buffers (C a multiple of DRAFT_BLOCK);
     q_index, read_row, write_row, write_column: [Bs] (`attention.SparseBatch`); valid:
     [R, n_kv, N] the columns each of the first R <= rows rows attends to, none past its draft's
-    own (write_column); counts, ids: the step's `draft_block_lists`, the same in every layer."""
+    own (write_column); counts, ids, row_queries: the step's `draft_block_lists`, the same in
+    every layer."""
     from torch.nn.attention.flex_attention import flex_attention
 
     write_draft_kv(k, v, keys, values, q_index, write_row, write_column)
     R, n_kv, _ = valid.shape
     H, D = q.shape[1:]
-    queries = queries_by_row(q, q_index, read_row, R)                          # [R, n_heads, D]
+    queries = q[row_queries]                                                   # [R, n_heads, D]
     # a KV head's G query heads as G query rows of one head: [R, n_kv, G, D]
     packed = queries.view(R, n_kv, H // n_kv, D)
     block_mask = draft_block_mask(valid, counts, ids, H // n_kv, keys.shape[2])
@@ -50,20 +51,24 @@ def flex_drafts(out, q, k, v, keys, values, q_index, read_row, write_row, write_
     out[q_index] = attended.reshape(R, H, D)[read_row]
 
 
-def draft_block_lists(read_row, last_column, rows: int, columns: int):
-    """The blocks each buffer row's drafts visit, the same in every layer of a step (so built once
-    a step, `paged.paged_prepare`): read_row [Bs] the rows drafts read, of `rows`; last_column
-    [Bs] the last column each draft attends to (its own: none past it); columns the buffers' width
-    C (a multiple of DRAFT_BLOCK) -> counts [rows, 1, 1] int32 (a read row's blocks up to its
-    drafts' last column, 0 for the others, which read nothing) and ids [rows, 1, 1, C /
-    DRAFT_BLOCK] int32, the blocks in order (BlockMask's contract: one column per block of the
-    key sequence). A row whose selection is narrower than the step's widest skips the blocks it
-    does not see."""
+def draft_block_lists(q_index, read_row, last_column, rows: int, columns: int):
+    """The blocks each buffer row's drafts visit and the query each row attends with, the same in
+    every layer of a step (so built once a step, `paged.paged_prepare`): q_index [Bs] each draft's
+    token row; read_row [Bs] the rows drafts read, of `rows`; last_column [Bs] the last column
+    each draft attends to (its own: none past it); columns the buffers' width C (a multiple of
+    DRAFT_BLOCK) -> counts [rows, 1, 1] int32 (a read row's blocks up to its drafts' last column,
+    0 for the others, which read nothing), ids [rows, 1, 1, C / DRAFT_BLOCK] int32, the blocks in
+    order (BlockMask's contract: one column per block of the key sequence), and row_queries
+    [rows], the token row of the draft that reads each row (0 for a row none reads: its output
+    is unread). A row whose selection is narrower than the step's widest skips the blocks it does
+    not see; with row_queries each layer gathers its queries in one read, rather than zeroing a
+    buffer and scattering into it."""
     counts = torch.zeros(rows, dtype=torch.int32, device=read_row.device)
     blocks = (last_column // DRAFT_BLOCK + 1).to(torch.int32)                     # [Bs]
     counts = counts.scatter_reduce_(0, read_row, blocks, "amax").view(rows, 1, 1)
     ids = torch.arange(columns // DRAFT_BLOCK, dtype=torch.int32, device=read_row.device)
-    return counts, ids.repeat(rows, 1, 1, 1)
+    row_queries = torch.zeros(rows, dtype=q_index.dtype, device=q_index.device)
+    return counts, ids.repeat(rows, 1, 1, 1), row_queries.scatter_(0, read_row, q_index)
 
 
 def draft_block_mask(valid, counts, ids, q_rows: int, columns: int):

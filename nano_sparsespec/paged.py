@@ -64,7 +64,7 @@ def paged_prepare(ctx: AttentionContext, group: int) -> None:
     decoding, verification); prefill chunks keep gather + SDPA."""
     s = ctx.sparse
     if s is not None and s.read_row is not None:
-        s.block_lists = draft_block_lists(s.read_row, s.write_column, s.valid.shape[1],
+        s.block_lists = draft_block_lists(s.q_index, s.read_row, s.write_column, s.valid.shape[1],
                                           ctx.draft_k.shape[3])
     d = ctx.dense
     if d is None or len(d.runs) > 1 or group * d.q_index.shape[1] >= 128:

@@ -36,8 +36,8 @@ def run_drafts(kernel, q, k, v, buffers, lists, valid, *block_lists):
 
 def block_lists_of(inputs):
     """-> the step's `draft_block_lists` for `draft_inputs`"""
-    _, _, _, buffers, (_, read_row, _, own), valid = inputs
-    return draft_block_lists(read_row, own, valid.shape[0], buffers.shape[3])
+    _, _, _, buffers, (q_index, read_row, _, own), valid = inputs
+    return draft_block_lists(q_index, read_row, own, valid.shape[0], buffers.shape[3])
 
 
 def test_flex_drafts_attend_as_the_reference():
@@ -57,12 +57,14 @@ def test_flex_drafts_attend_as_the_reference():
 def test_the_block_lists_cover_each_read_row_and_nothing_else():
     """The compiled kernel visits a row's listed blocks only: every row a draft reads lists the blocks that hold its
     columns up to its draft's own, in order, and the rows no draft reads list none; the mask reads `valid`, and nothing
-    past column N."""
+    past column N. Each row a draft reads takes that draft's query."""
     inputs = draft_inputs(DRAFT_BLOCK + 5)
     q, k, v, buffers, (q_index, read_row, _, _), valid = inputs
-    mask = draft_block_mask(valid, *block_lists_of(inputs), 3, buffers.shape[3])
+    counts, ids, row_queries = block_lists_of(inputs)
+    mask = draft_block_mask(valid, counts, ids, 3, buffers.shape[3])
     counts = mask.kv_num_blocks.flatten()
     assert counts[read_row].tolist() == [1, 2, 1, 2] and counts[[1, 4, 6]].eq(0).all()
+    assert row_queries[read_row].tolist() == q_index.tolist()
     assert torch.equal(mask.kv_indices[:, 0, 0, :2], torch.tensor([[0, 1]] * 7, dtype=torch.int32))
     b, h, kv = torch.meshgrid(torch.arange(7), torch.arange(N_KV), torch.arange(2 * DRAFT_BLOCK), indexing="ij")
     seen = mask.mask_mod(b, h, torch.zeros_like(b), kv)
@@ -93,10 +95,11 @@ def test_compiled_drafts_visit_the_blocks_they_see_and_attend_as_the_reference()
     inputs = draft_inputs(DRAFT_BLOCK + 5, device="cuda", head_dim=16)
     reference = run_drafts(attention.sparse_drafts, *inputs)
     compiled = torch.compile(flex_drafts, dynamic=False)
-    counts, ids = block_lists_of(inputs)
-    out, keys, values = run_drafts(compiled, *inputs, counts, ids)
+    counts, ids, row_queries = block_lists_of(inputs)
+    out, keys, values = run_drafts(compiled, *inputs, counts, ids, row_queries)
     assert torch.allclose(out, reference[0], atol=1e-5)
     assert torch.equal(keys, reference[1]) and torch.equal(values, reference[2])
     short = counts.clone()
     short[5] = 1                                                  # row 5's draft sees columns of the second block
-    assert not torch.allclose(run_drafts(compiled, *inputs, short, ids)[0][4], reference[0][4], atol=1e-3)
+    assert not torch.allclose(run_drafts(compiled, *inputs, short, ids, row_queries)[0][4], reference[0][4],
+                              atol=1e-3)
