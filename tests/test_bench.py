@@ -390,12 +390,18 @@ def test_more_requests_than_slots(tiny_qwen3, prompts_file, tmp_path):
 
 def test_device_timeline_counts_overlaps_once_and_gaps_as_idle():
     """A traced window's device timeline: the span from the first activity's start to the last's end, busy the
-    length of the activities' union (overlapping kernels count once, gaps between them are idle)."""
+    length of the activities' union (overlapping kernels count once, gaps between them are idle), and waiting the
+    idle gaps of at least the given length (the device's queue ran dry), not the short ones between kernels."""
     from nano_sparsespec.tools.trace import device_timeline
-    assert device_timeline([]) == (0.0, 0.0)
-    assert device_timeline([(5.0, 7.0)]) == (2.0, 2.0)
+    assert device_timeline([]) == (0.0, 0.0, 0.0)
+    assert device_timeline([(5.0, 7.0)]) == (2.0, 2.0, 0.0)
     # [0, 4] and [2, 3] overlap, [1, 5] extends them, idle 5-8, [8, 9], idle 9-10, [10, 12] inside [10, 13]
-    assert device_timeline([(10.0, 12.0), (0.0, 4.0), (2.0, 3.0), (8.0, 9.0), (1.0, 5.0), (10.0, 13.0)]) == (13.0, 9.0)
+    steps = [(10.0, 12.0), (0.0, 4.0), (2.0, 3.0), (8.0, 9.0), (1.0, 5.0), (10.0, 13.0)]
+    assert device_timeline(steps, waited_gap=3.0) == (13.0, 9.0, 3.0)        # the gap of 3 only
+    assert device_timeline(steps, waited_gap=1.0) == (13.0, 9.0, 4.0)        # both gaps
+    assert device_timeline(steps, waited_gap=3.5) == (13.0, 9.0, 0.0)
+    # in microseconds by default: kernels 2 us apart are a graph's, a 50 us gap a wait
+    assert device_timeline([(0.0, 10.0), (12.0, 20.0), (70.0, 80.0)]) == (80.0, 28.0, 50.0)
 
 
 def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):
@@ -420,7 +426,7 @@ def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tm
             assert 0 < w["works"] <= 2 and w["verifications"] + w["drafts"] <= w["works"], name   # (+async: stall)
             top = w["kernels"]["top"]
             assert len(top) == 4 and top[0]["ms"] >= top[-1]["ms"] > 0 and w["kernels"]["total_ms"] >= top[0]["ms"]
-            assert w["device_span_ms"] is None and w["device_busy_ms"] is None, name   # (a CPU: no device timeline)
+            assert w["device_span_ms"] is w["device_busy_ms"] is w["device_waiting_ms"] is None, name   # (a CPU)
             assert w["graphs_recorded"] == 0 and "host" not in w, name    # (no graphs; the kernels are the host's)
     assert rows["plain"]["step_windows"][1]["works"] == 2
     assert rows["plain"]["step_windows"][1]["verifications"] == 0 < rows["+async"]["step_windows"][1]["verifications"]

@@ -37,18 +37,27 @@ def kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
                     for ms, e in ranked]}
 
 
-def device_timeline(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+# An idle gap of the device at least this long (microseconds, the Chrome trace's unit) is one where
+# its queue ran dry and it waited for the host; a CUDA graph starts each kernel a few microseconds
+# after the one before.
+HOST_WAIT_US = 20.0
+
+
+def device_timeline(intervals: list[tuple[float, float]],
+                    waited_gap: float = HOST_WAIT_US) -> tuple[float, float, float]:
     """The device's activities [(start, end), ...] -> (span: the first start to the last end,
-    busy: the length of their union); span - busy is what the device sat idle between them."""
+    busy: the length of their union, waiting: the idle gaps of at least `waited_gap`); span - busy
+    is what the device sat idle between them, waiting the part of it spent waiting for work."""
     if not intervals:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     ordered = sorted(intervals)
-    busy, (start, end) = 0.0, ordered[0]
+    busy, waiting, (start, end) = 0.0, 0.0, ordered[0]
     for a, b in ordered[1:]:
         if a > end:                       # an idle gap: close the busy stretch
             busy, start = busy + end - start, a
+            waiting += a - end if a - end >= waited_gap else 0.0
         end = max(end, b)
-    return end - ordered[0][0], busy + end - start
+    return end - ordered[0][0], busy + end - start, waiting
 
 
 def chrome_trace(prof, keep: str | None = None) -> list[dict]:
@@ -65,11 +74,11 @@ def chrome_trace(prof, keep: str | None = None) -> list[dict]:
     return json.loads(text)["traceEvents"]
 
 
-def profiled_device_timeline(events: list[dict]) -> tuple[float, float]:
+def profiled_device_timeline(events: list[dict]) -> tuple[float, float, float]:
     """`device_timeline` in ms of a Chrome trace's `events`: its kernels, copies and fills."""
-    span, busy = device_timeline([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
-    return span / 1e3, busy / 1e3
+    timeline = device_timeline([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+    return tuple(us / 1e3 for us in timeline)
 
 
 class StepWindow:
@@ -78,13 +87,13 @@ class StepWindow:
     "verifications" (works that check drafts), "drafts" (means per step), "kernels"
     (`kernel_table`), "host" (on CUDA: `kernel_table` of the host's operators and CUDA calls,
     where a step's host time goes and which calls wait for the device), "graphs_recorded" (CUDA
-    graphs recorded inside the window), "device_span_ms" and "device_busy_ms" (`device_timeline`
-    per step; None on a CPU)}, or None if the run ended before `first`. `trace_path`: where the
-    window's Chrome trace is written (.json.gz), to read the host's and the device's timelines side
-    by side (chrome://tracing, Perfetto). The window opens after step
-    first - 1 (or the first launched after it) and closes after the count-th launched step, each at
-    a synchronisation: it holds the device work of its steps and the host-queued work (critical
-    positions refreshed) of processing as many steps before."""
+    graphs recorded inside the window), "device_span_ms", "device_busy_ms" and
+    "device_waiting_ms" (`device_timeline` per step; None on a CPU)}, or None if the run ended
+    before `first`. `trace_path`: where the window's Chrome trace is written (.json.gz), to read
+    the host's and the device's timelines side by side (chrome://tracing, Perfetto). The window
+    opens after step first - 1 (or the first launched after it) and closes after the count-th
+    launched step, each at a synchronisation: it holds the device work of its steps and the
+    host-queued work (critical positions refreshed) of processing as many steps before."""
 
     def __init__(self, device: torch.device, first: int, count: int, top: int,
                  trace_path: str | None = None):
@@ -125,7 +134,7 @@ class StepWindow:
         works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
         cuda = self.device.type == "cuda"
         events = chrome_trace(self.prof, self.trace_path) if cuda or self.trace_path else []
-        span, busy = profiled_device_timeline(events) if cuda else (None, None)
+        span, busy, waiting = profiled_device_timeline(events) if cuda else (None, None, None)
 
         def per_step(ms):
             return None if ms is None else round(ms / n, 3)
@@ -136,7 +145,8 @@ class StepWindow:
                 "kernels": kernel_table(self.prof, n, cuda, self.top),
                 **({"host": kernel_table(self.prof, n, False, self.top)} if cuda else {}),
                 "graphs_recorded": self.graphs_after - self.graphs_before,
-                "device_span_ms": per_step(span), "device_busy_ms": per_step(busy)}
+                "device_span_ms": per_step(span), "device_busy_ms": per_step(busy),
+                "device_waiting_ms": per_step(waiting)}
 
 
 class HostSampler:
