@@ -87,10 +87,10 @@ def fast_draft_width(columns: int) -> int:
 
 def batch_bucket(n: int) -> int:
     """2, 4, 8, multiples of 8 up to 128, then eight sizes per doubling (144, 160, ..., 256, 288,
-    ...): past 8, at most 7 or 12.5% padding (a balanced step's ~B/9 verifications pad k + 1
-    token rows each), and a batch that shrinks from 1,024 to 0 meets 42 sizes (`covers` records
-    few of them). A batch of one takes two: torch.compile specialises a size of 1, so it would
-    compile apart."""
+    ...): up to 128 at most 7 requests of padding, past it at most 12.5% (each padded
+    verification runs k + 1 token rows), and a batch that shrinks from 1,024 to 0 meets 42 sizes
+    (`covers` records few of them). A batch of one takes two: torch.compile specialises a size
+    of 1, so it would compile apart."""
     if n <= 8:
         return 0 if n == 0 else max(2, 1 << (n - 1).bit_length())
     return round_up(n, max(8, 1 << ((n - 1).bit_length() - 4)))
