@@ -16,6 +16,7 @@ from nano_sparsespec.tools import bench, measure, model_shapes, profile, report,
 from nano_sparsespec.config import SamplingParams, SpecConfig
 from nano_sparsespec.scheduler import Sequence, Work
 from nano_sparsespec.tools.measure import StepClock, tenths
+from nano_sparsespec.tools.trace import STEP_MARK
 
 BATCH, TOKENS, K = 2, 16, 4
 
@@ -404,6 +405,19 @@ def test_device_timeline_counts_overlaps_once_and_gaps_as_idle():
     assert device_timeline([(0.0, 10.0), (12.0, 20.0), (70.0, 80.0)]) == (80.0, 28.0, 50.0)
 
 
+def test_device_timeline_of_a_trace_leaves_out_work_started_before_a_time():
+    """A step window's device figures start at its first step's mark: the window opens at a synchronisation,
+    so the device sits idle while the host prepares that step, a wait the run itself does not have."""
+    from nano_sparsespec.tools.trace import profiled_device_timeline
+    events = [{"cat": "kernel", "ts": 0.0, "dur": 10.0}, {"cat": "cpu_op", "ts": 15.0, "dur": 500.0},
+              {"cat": "kernel", "ts": 3000.0, "dur": 1000.0}, {"cat": "gpu_memcpy", "ts": 4001.0, "dur": 999.0},
+              {"cat": "kernel", "ts": 5100.0, "dur": 900.0}]
+    # ms; the gaps of 2,990 and 100 us are waits, that of 1 us a graph's
+    assert profiled_device_timeline(events) == pytest.approx((6.0, 2.909, 3.09))
+    assert profiled_device_timeline(events, after=3000.0) == pytest.approx((3.0, 2.899, 0.1))
+    assert profiled_device_timeline(events, after=6000.0) == (0.0, 0.0, 0.0)
+
+
 def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):
     """--trace-steps FIRST:COUNT[,FIRST:COUNT]: each row of ours reports, per window, the kernels (on the CPU:
     operators) of COUNT of its steps from step FIRST, what those steps held and their wall time; a window past a
@@ -417,7 +431,9 @@ def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tm
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert len(traces) == 4 and "async_step5.json.gz" in traces and "plain_step5.json.gz" in traces, traces
     with gzip.open(tmp_path / "traces" / "async_step5.json.gz", "rt") as f:
-        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    assert sum(e.get("name") == STEP_MARK for e in events) == 3       # a mark per step seen
     for name, r in rows.items():
         first, second = r["step_windows"]     # (a window opens at the first step launched from FIRST on)
         assert (first["steps"], second["steps"]) == (2, 3) and 2 <= first["first"] <= 3 and second["first"] == 5, name

@@ -85,9 +85,10 @@ def rows_markdown(result: dict) -> str:
                       f"torch.profiler: {w['ms_per_step']:.2f} ms per step (wall), "
                       f"{w['works']:.0f} requests per step ({w['verifications']:.1f} verifying, "
                       f"{w['drafts']:.1f} drafting); {k['total_ms']:.2f} ms of kernels per step"
-                      + (f" (the device busy {w['device_busy_ms']:.2f} of the "
-                         f"{w['device_span_ms']:.2f} ms its work spans a step, waiting for work "
-                         f"{w['device_waiting_ms']:.2f} in gaps of {HOST_WAIT_US:.0f} us or more)"
+                      + (f" (from the window's second step on, the device busy "
+                         f"{w['device_busy_ms']:.2f} of the {w['device_span_ms']:.2f} ms its work "
+                         f"spans a step, waiting for work {w['device_waiting_ms']:.2f} in gaps of "
+                         f"{HOST_WAIT_US:.0f} us or more)"
                          if w.get("device_span_ms") else "")
                       + f", the most (ms per step, calls per step): {top}"
                       + (f"; {w['graphs_recorded']} CUDA graphs recorded in the window"

@@ -74,11 +74,18 @@ def chrome_trace(prof, keep: str | None = None) -> list[dict]:
     return json.loads(text)["traceEvents"]
 
 
-def profiled_device_timeline(events: list[dict]) -> tuple[float, float, float]:
-    """`device_timeline` in ms of a Chrome trace's `events`: its kernels, copies and fills."""
+def profiled_device_timeline(events: list[dict], after: float = float("-inf")
+                              ) -> tuple[float, float, float]:
+    """`device_timeline` in ms of a Chrome trace's `events`: its kernels, copies and fills that
+    start at or after `after` (the trace's clock, microseconds)."""
     timeline = device_timeline([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+                                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                                and e["ts"] >= after])
     return tuple(us / 1e3 for us in timeline)
+
+
+# The name of the profiler mark a step window leaves as it sees each step (`StepWindow`)
+STEP_MARK = "nano_sparsespec.step_seen"
 
 
 class StepWindow:
@@ -88,12 +95,15 @@ class StepWindow:
     (`kernel_table`), "host" (on CUDA: `kernel_table` of the host's operators and CUDA calls,
     where a step's host time goes and which calls wait for the device), "graphs_recorded" (CUDA
     graphs recorded inside the window), "device_span_ms", "device_busy_ms" and
-    "device_waiting_ms" (`device_timeline` per step; None on a CPU)}, or None if the run ended
-    before `first`. `trace_path`: where the window's Chrome trace is written (.json.gz), to read
-    the host's and the device's timelines side by side (chrome://tracing, Perfetto). The window
-    opens after step first - 1 (or the first launched after it) and closes after the count-th
-    launched step, each at a synchronisation: it holds the device work of its steps and the
-    host-queued work (critical positions refreshed) of processing as many steps before."""
+    "device_waiting_ms" (`device_timeline` per step, of the device work started once the window
+    has seen its first step: the window opens at a synchronisation, so its first step's work
+    starts on an idle device, which waits while the host prepares it; None on a CPU)}, or None
+    if the run ended before `first`. `trace_path`: where the window's Chrome trace is written
+    (.json.gz), to read the host's and the device's timelines side by side (chrome://tracing,
+    Perfetto). The window opens after step first - 1 (or the first launched after it) and
+    closes after the count-th launched step, each at a synchronisation: it holds the device work
+    of its steps and the host-queued work (critical positions refreshed) of processing as many
+    steps before."""
 
     def __init__(self, device: torch.device, first: int, count: int, top: int,
                  trace_path: str | None = None):
@@ -116,6 +126,8 @@ class StepWindow:
             checking = sum(w.kind == "verify" and w.num_tokens > 1 for w in event.works)
             drafting = sum(w.kind == "draft" for w in event.works)
             self.seen.append((event.step, len(event.works), checking, drafting))
+            with torch.profiler.record_function(STEP_MARK):
+                pass
             self.graphs_after = event.graphs_recorded
             if len(self.seen) == self.count:
                 self._close()
@@ -134,10 +146,13 @@ class StepWindow:
         works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
         cuda = self.device.type == "cuda"
         events = chrome_trace(self.prof, self.trace_path) if cuda or self.trace_path else []
-        span, busy, waiting = profiled_device_timeline(events) if cuda else (None, None, None)
+        marks = sorted(e["ts"] for e in events if e.get("name") == STEP_MARK)
+        after, later = (marks[0], n - 1) if marks and n > 1 else (float("-inf"), n)
+        span, busy, waiting = (profiled_device_timeline(events, after) if cuda
+                               else (None, None, None))
 
         def per_step(ms):
-            return None if ms is None else round(ms / n, 3)
+            return None if ms is None else round(ms / later, 3)
 
         return {"first": self.seen[0][0], "steps": n,
                 "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
