@@ -52,6 +52,7 @@ class StepEvent:
     graphs_recorded: int = 0       # CUDA graphs recorded so far: the steps' and the refresh's
     graph_record_seconds: float = 0.0  # ... and the seconds that took
     graph_record_compile_seconds: float = 0.0  # ... of which torch.compile compiled
+    result_wait_seconds: float = 0.0   # host seconds spent waiting for steps' results so far
 
 
 # (request, new tokens, accepted drafts)
@@ -168,7 +169,7 @@ class Engine:
             s = self.scheduler
             self.observers.on_step(StepEvent(
                 step, works, list(s.running), list(s.offloaded), scheduled, launched - scheduled,
-                kv_positions, *self._graphs_recorded()))
+                kv_positions, *self._graphs_recorded(), self.stats.result_wait_seconds))
 
     # --- host bookkeeping of one step's results -------------------------------------------
     def _process(self, result: StepResult) -> None:

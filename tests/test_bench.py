@@ -65,6 +65,8 @@ def test_every_row_is_measured_with_sane_values(rows_result, tiny_qwen3):
             shares = r["time_by_tenth"]                 # ... and the share of the run's time each part took
             assert len(shares) == len(busy) and all(x > 0 for x in shares), name
             assert sum(shares) == pytest.approx(1, abs=1e-3), name
+            waits = r["wait_by_tenth"]                  # ... and the share of it the host waited for results
+            assert len(waits) == len(busy) and all(0 <= x <= 1 for x in waits), name
         assert "token_ids" not in r                       # the JSON keeps figures, not outputs
         if name != "hf":
             assert r["compile_seconds"] == 0, name       # nothing compiles without --compile
@@ -485,18 +487,22 @@ def test_rows_with_cuda_graphs_run_no_warm_up(tiny_qwen3, prompts_file, monkeypa
 def test_the_step_clock_leaves_out_graph_recording_and_compiling(monkeypatch):
     """StepClock: a step lasts from its start to the next one's, less the CUDA-graph recording its launch did (the
     events' cumulative graph_record_seconds) and the compiling outside any recording (torch's tally, less the
-    events' graph_record_compile_seconds); the run's time in tenths of its steps sums to 1."""
+    events' graph_record_compile_seconds); the run's time in tenths of its steps sums to 1. wait_by_tenth: the
+    share of each tenth's time the host waited for results (the events' cumulative result_wait_seconds)."""
     from nano_sparsespec.tools import measure
     compiled = iter([10.0, 10.0, 10.2, 10.5, 10.5])          # torch's tally: at the clock's start, then each step
     monkeypatch.setattr(measure, "compile_seconds", lambda: next(compiled))
     clock = StepClock()
     # (started, recording so far, of which compiling): step 1's launch records for 0.5 s (compiling 0.2 of it),
     # step 2's compiles 0.3 s outside a recording
-    for started, recorded, record_compiled in [(0.0, 0.0, 0.0), (1.0, 0.5, 0.2), (1.6, 0.5, 0.2), (2.3, 0.5, 0.2)]:
+    for started, recorded, record_compiled, waited in [(0.0, 0.0, 0.0, 0.0), (1.0, 0.5, 0.2, 0.25),
+                                                       (1.6, 0.5, 0.2, 0.25), (2.3, 0.5, 0.2, 0.35)]:
         clock.on_step(SimpleNamespace(started=started, graph_record_seconds=recorded,
-                                      graph_record_compile_seconds=record_compiled))
+                                      graph_record_compile_seconds=record_compiled, result_wait_seconds=waited))
     # steps of 1.0, 0.1, 0.4 and 1.0 s (the last until the run's end at 3.3)
     assert clock.time_by_tenth(3.3) == pytest.approx([0.4, 0.04, 0.16, 0.4])
+    # waits of 0.25, 0, 0.1 and (to the run's total of 0.85) 0.5 s in them
+    assert clock.wait_by_tenth(3.3, 0.85) == pytest.approx([0.25, 0.0, 0.25, 0.5])
     assert tenths(25)[:3] == [(0, 2), (2, 5), (5, 7)] and len(tenths(25)) == 10 and tenths(0) == []
 
 

@@ -170,16 +170,19 @@ def tenths(steps: int) -> list[tuple[int, int]]:
 
 class StepClock:
     """When each launched step of a run began, on a clock that leaves out the one-time costs a
-    row's `seconds` leaves out: CUDA-graph recording and compiling outside it. Pass `on_step` to
-    `LLM.generate`, then `time_by_tenth(end)`."""
+    row's `seconds` leaves out: CUDA-graph recording and compiling outside it, and the host's
+    seconds waiting for results by then. Pass `on_step` to `LLM.generate`, then
+    `time_by_tenth(end)`, `wait_by_tenth(end, waited)`."""
 
     def __init__(self):
         self.starts: list[float] = []
+        self.waits: list[float] = []
         self.one_time = 0.0          # one-time costs so far, before the step now observed
         self.compiled = compile_seconds()
 
     def on_step(self, event) -> None:
         self.starts.append(event.started - self.one_time)
+        self.waits.append(event.result_wait_seconds)
         # ... now with this step's: its recording, and compiling that no recording holds
         compiling = compile_seconds() - self.compiled - event.graph_record_compile_seconds
         self.one_time = event.graph_record_seconds + compiling
@@ -193,6 +196,14 @@ class StepClock:
         total = marks[-1] - marks[0]
         return [round((marks[stop] - marks[first]) / total, 4)
                 for first, stop in tenths(len(self.starts))]
+
+    def wait_by_tenth(self, end: float, waited: float) -> list[float]:
+        """The share of each tenth's time (`time_by_tenth`) the host sat waiting for steps'
+        results (`waited`: its seconds over the whole run): near 0 where the host's work bounds
+        the steps, the device's queue running dry; larger where the device does."""
+        marks, waits = self.starts + [end - self.one_time], self.waits + [waited]
+        return [round((waits[stop] - waits[first]) / (marks[stop] - marks[first]), 4)
+                if marks[stop] > marks[first] else 0.0 for first, stop in tenths(len(self.starts))]
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int | None = None, reps: int = 5) -> float:
