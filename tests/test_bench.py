@@ -407,17 +407,21 @@ def test_device_timeline_counts_overlaps_once_and_gaps_as_idle():
     assert device_timeline([(0.0, 10.0), (12.0, 20.0), (70.0, 80.0)]) == (80.0, 28.0, 50.0)
 
 
-def test_device_timeline_of_a_trace_leaves_out_work_started_before_a_time():
-    """A step window's device figures start at its first step's mark: the window opens at a synchronisation,
-    so the device sits idle while the host prepares that step, a wait the run itself does not have."""
+def test_device_timeline_of_a_trace_leaves_out_the_waits_before_the_first_launch():
+    """A step window's device figures start where the device's last wait that began before the first step's
+    launch (its mark) ends: the window opens at a synchronisation, so the device sits idle while the host
+    prepares and launches that step, a wait the run itself does not have."""
     from nano_sparsespec.tools.trace import profiled_device_timeline
     events = [{"cat": "kernel", "ts": 0.0, "dur": 10.0}, {"cat": "cpu_op", "ts": 15.0, "dur": 500.0},
               {"cat": "kernel", "ts": 3000.0, "dur": 1000.0}, {"cat": "gpu_memcpy", "ts": 4001.0, "dur": 999.0},
               {"cat": "kernel", "ts": 5100.0, "dur": 900.0}]
     # ms; the gaps of 2,990 and 100 us are waits, that of 1 us a graph's
     assert profiled_device_timeline(events) == pytest.approx((6.0, 2.909, 3.09))
-    assert profiled_device_timeline(events, after=3000.0) == pytest.approx((3.0, 2.899, 0.1))
-    assert profiled_device_timeline(events, after=6000.0) == (0.0, 0.0, 0.0)
+    assert profiled_device_timeline(events, launched=-1.0) == pytest.approx((6.0, 2.909, 3.09))
+    # launched during the work from 3,000 us, or before it began (the wait from 10 us began before)
+    for launched in (3500.0, 50.0):
+        assert profiled_device_timeline(events, launched) == pytest.approx((3.0, 2.899, 0.1))
+    assert profiled_device_timeline(events, launched=5050.0) == pytest.approx((0.9, 0.9, 0.0))
 
 
 def test_windows_of_a_rows_steps_under_the_profiler(tiny_qwen3, prompts_file, tmp_path, capsys):

@@ -74,14 +74,25 @@ def chrome_trace(prof, keep: str | None = None) -> list[dict]:
     return json.loads(text)["traceEvents"]
 
 
-def profiled_device_timeline(events: list[dict], after: float = float("-inf")
+def profiled_device_timeline(events: list[dict], launched: float | None = None
                               ) -> tuple[float, float, float]:
-    """`device_timeline` in ms of a Chrome trace's `events`: its kernels, copies and fills that
-    start at or after `after` (the trace's clock, microseconds)."""
-    timeline = device_timeline([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                                and e["ts"] >= after])
-    return tuple(us / 1e3 for us in timeline)
+    """`device_timeline` in ms of a Chrome trace's `events`: its kernels, copies and fills. With
+    `launched` (the trace's clock, us: when the host had launched a window's first step), from the
+    end of the last wait of the device that began before then: a window opens at a
+    synchronisation, so the device idles while the host prepares and launches that step, a wait
+    the run itself does not have."""
+    intervals = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                       if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if launched is not None and intervals:
+        start, end = intervals[0]                       # the device busy from start to end
+        for a, b in intervals[1:]:
+            if end > launched:                          # a gap from here on is the run's own
+                break
+            if a - end >= HOST_WAIT_US:
+                start = a
+            end = max(end, b)
+        intervals = [(a, b) for a, b in intervals if a >= start]
+    return tuple(us / 1e3 for us in device_timeline(intervals))
 
 
 # The name of the profiler mark a step window leaves as it sees each step (`StepWindow`)
@@ -95,10 +106,8 @@ class StepWindow:
     (`kernel_table`), "host" (on CUDA: `kernel_table` of the host's operators and CUDA calls,
     where a step's host time goes and which calls wait for the device), "graphs_recorded" (CUDA
     graphs recorded inside the window), "device_span_ms", "device_busy_ms" and
-    "device_waiting_ms" (`device_timeline` per step, of the device work started once the window
-    has seen its first step: the window opens at a synchronisation, so its first step's work
-    starts on an idle device, which waits while the host prepares it; None on a CPU)}, or None
-    if the run ended before `first`. `trace_path`: where the window's Chrome trace is written
+    "device_waiting_ms" (`device_timeline` per step, from the first step's launch on:
+    `profiled_device_timeline`; None on a CPU)}, or None if the run ended before `first`. `trace_path`: where the window's Chrome trace is written
     (.json.gz), to read the host's and the device's timelines side by side (chrome://tracing,
     Perfetto). The window opens after step first - 1 (or the first launched after it) and
     closes after the count-th launched step, each at a synchronisation: it holds the device work
@@ -147,12 +156,11 @@ class StepWindow:
         cuda = self.device.type == "cuda"
         events = chrome_trace(self.prof, self.trace_path) if cuda or self.trace_path else []
         marks = sorted(e["ts"] for e in events if e.get("name") == STEP_MARK)
-        after, later = (marks[0], n - 1) if marks and n > 1 else (float("-inf"), n)
-        span, busy, waiting = (profiled_device_timeline(events, after) if cuda
-                               else (None, None, None))
+        span, busy, waiting = (profiled_device_timeline(events, marks[0] if marks else None)
+                               if cuda else (None, None, None))
 
         def per_step(ms):
-            return None if ms is None else round(ms / later, 3)
+            return None if ms is None else round(ms / n, 3)
 
         return {"first": self.seen[0][0], "steps": n,
                 "ms_per_step": round(self.seconds / n * 1e3, 3), "works": works,
