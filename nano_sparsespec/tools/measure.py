@@ -2,9 +2,9 @@
 
 Owns `ByteModel` (a step must read the weights once plus, for every request, the K and V of each
 position it attends to), `PeakMemory`, `CompiledFrames` (torch.compile's compilations per
-function), `StepClock` and `tenths` (where in a run its time goes), the device's copy bandwidth and the
-roofline peak, and the machine and git state a result records; `time_split`, where a forward's
-time goes.
+function), `StepClock` and `tenths` (where in a run its time goes), the device's copy bandwidth
+and the roofline peak, and the machine and git state a result records; `time_split`, where a
+forward's time goes.
 """
 from __future__ import annotations
 

@@ -103,15 +103,15 @@ class StepWindow:
     """torch.profiler over `count` steps of a run, from step `first` on: pass `on_step` to
     `LLM.generate`, then `finish()` -> {"first", "steps", "ms_per_step" (wall), "works",
     "verifications" (works that check drafts), "drafts" (means per step), "kernels"
-    (`kernel_table`), "host" (on CUDA: `kernel_table` of the host's operators and CUDA calls,
-    where a step's host time goes and which calls wait for the device), "graphs_recorded" (CUDA
-    graphs recorded inside the window), "device_span_ms", "device_busy_ms" and
-    "device_waiting_ms" (`device_timeline` per step, from the first step's launch on:
-    `profiled_device_timeline`; None on a CPU)}, or None if the run ended before `first`. `trace_path`: where the window's Chrome trace is written
-    (.json.gz), to read the host's and the device's timelines side by side (chrome://tracing,
-    Perfetto). The window opens after step first - 1 (or the first launched after it) and
-    closes after the count-th launched step, each at a synchronisation: it holds the device work
-    of its steps and the host-queued work (critical positions refreshed) of processing as many
+    (`kernel_table`), "host" (on CUDA: `kernel_table` of the host's operators and CUDA calls, where
+    a step's host time goes and which calls wait for the device), "graphs_recorded" (CUDA graphs
+    recorded inside the window), "device_span_ms", "device_busy_ms" and "device_waiting_ms"
+    (`device_timeline` per step, from the first step's launch on: `profiled_device_timeline`; None
+    on a CPU)}, or None if the run ended before `first`. `trace_path`: where the window's Chrome
+    trace is written (.json.gz), to read the host's and the device's timelines side by side
+    (chrome://tracing, Perfetto). The window opens after step first - 1 (or the first launched after
+    it) and closes after the count-th launched step, each at a synchronisation: it holds the device
+    work of its steps and the host-queued work (critical positions refreshed) of processing as many
     steps before."""
 
     def __init__(self, device: torch.device, first: int, count: int, top: int,
