@@ -85,7 +85,7 @@ def rows_markdown(result: dict) -> str:
                       f"torch.profiler: {w['ms_per_step']:.2f} ms per step (wall), "
                       f"{w['works']:.0f} requests per step ({w['verifications']:.1f} verifying, "
                       f"{w['drafts']:.1f} drafting); {k['total_ms']:.2f} ms of kernels per step"
-                      + (f" (from the window's second step on, the device busy "
+                      + (f" (past the window's opening, the device busy "
                          f"{w['device_busy_ms']:.2f} of the {w['device_span_ms']:.2f} ms its work "
                          f"spans a step, waiting for work {w['device_waiting_ms']:.2f} in gaps of "
                          f"{HOST_WAIT_US:.0f} us or more)"
