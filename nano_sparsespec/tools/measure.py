@@ -170,8 +170,8 @@ def tenths(steps: int) -> list[tuple[int, int]]:
 
 class StepClock:
     """When each launched step of a run began, on a clock that leaves out the one-time costs a
-    row's `seconds` leaves out: CUDA-graph recording and compiling outside it, and the host's
-    seconds waiting for results by then. Pass `on_step` to `LLM.generate`, then
+    row's `seconds` leaves out (CUDA-graph recording and compiling outside it), and how long the
+    host had waited for results by then. Pass `on_step` to `LLM.generate`, then
     `time_by_tenth(end)`, `wait_by_tenth(end, waited)`."""
 
     def __init__(self):

@@ -155,9 +155,9 @@ class StepWindow:
         works, verifications, drafts = (sum(s[i] for s in self.seen) / n for i in (1, 2, 3))
         cuda = self.device.type == "cuda"
         events = chrome_trace(self.prof, self.trace_path) if cuda or self.trace_path else []
-        marks = sorted(e["ts"] for e in events if e.get("name") == STEP_MARK)
-        span, busy, waiting = (profiled_device_timeline(events, marks[0] if marks else None)
-                               if cuda else (None, None, None))
+        launched = min((e["ts"] for e in events if e.get("name") == STEP_MARK), default=None)
+        span, busy, waiting = (profiled_device_timeline(events, launched) if cuda
+                               else (None, None, None))
 
         def per_step(ms):
             return None if ms is None else round(ms / n, 3)
