@@ -198,11 +198,10 @@ class SpecConfig:
                    (0: never): a step over few requests costs about its floor, which drafts
                    cannot undercut (Scheduler)
     finish_quantile
-                   before that, with none offloaded, a request whose row (it, then the waiting
-                   requests the row takes) would free after the row at this quantile of the
-                   batch's projected ones even were it to decode plainly from now on decodes
-                   plainly (1: never), so that the least accepting requests do not drain alone
-                   or hold back the queue's last requests (plain_tail.py)
+                   before that, with none waiting or offloaded, a request that would end after
+                   the one at this quantile of the batch's projected ends even were it to decode
+                   plainly from now on decodes plainly (1: never), so that the least accepting
+                   requests do not drain alone (plain_tail.py)
     kv_blocks      device KV pool size in blocks (None: sized for the whole batch; small: offload)
     block_size     tokens per KV block
     prefill_chunk  prompt tokens per step over all prefilling requests (chunked prefill)
