@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafting rows: the requests left decode plainly once fewer than this "
                         "share of the most that decoded together remain (0: never)")
     p.add_argument("--finish-quantile", type=float, default=SpecConfig.finish_quantile,
-                   help="drafting rows: a request that would finish after this quantile of the "
-                        "batch even decoding plainly decodes plainly (1: never)")
+                   help="drafting rows: once none wait, a request that would finish after this "
+                        "quantile of the batch even decoding plainly decodes plainly (1: never)")
     p.add_argument("--score-every", type=int, default=SpecConfig.score_every,
                    help="pillar drafters: PillarAttn scores every n-th layer only, the layers "
                         "between take the selection of the scored one before them")
