@@ -134,25 +134,39 @@ def first_positions(scores, context, budgets, rows=None):
     return torch.zeros(len(budgets), 1, 1, max(budgets), dtype=torch.long), list(budgets)
 
 
-def main() -> None:
-    batch, requests, tokens = (int(x) for x in sys.argv[1:4])
-    method = sys.argv[4] if len(sys.argv) > 4 else "pillar-lookup"
-    policy = sys.argv[5] if len(sys.argv) > 5 else "balanced"
-    BucketCounter.spread = len(sys.argv) > 6 and sys.argv[6] == "spread"
-    refresh_every = int(sys.argv[7]) if len(sys.argv) > 7 else 1      # `SpecConfig.refresh_every`
+def host_only_llm(runner_class, **options) -> LLM:
+    """An engine with CUDA graphs whose runner is `runner_class` (a `BucketCounter`), over a one-layer model with the
+    embedded model's context length (buckets depend on nothing else of it): no graph replays, selections are the
+    budget's first positions."""
     path = tempfile.mkdtemp()
-    # a one-layer model with the embedded model's context length: buckets depend on nothing else of it
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=1, num_key_value_heads=1,
                                  max_position_embeddings=CONTEXT_CAPACITY, eos_token_id=255)).save_pretrained(path)
     async_loop.pillar_attn.top_positions = first_positions
     cuda_graphs.StepGraphs.run = replay_nothing
     cuda_graphs.Graphs.run = note_refresh
-    llm = LLM(path, method=method, batch_policy=policy, max_batch=batch, cuda_graphs=True,
-              runner_class=BucketCounter, async_verify=policy == "balanced", refresh_every=refresh_every)
+    llm = LLM(path, cuda_graphs=True, runner_class=runner_class, **options)
     paged_kernel.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
+    return llm
+
+
+def workload(requests: int, tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of 60-250 random tokens and, one a request (its seed, as the bench gives them), SamplingParams that
+    write all `tokens`."""
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
+    return prompts, [SamplingParams(max_new_tokens=tokens, ignore_eos=True, seed=i) for i in range(requests)]
+
+
+def main() -> None:
+    batch, requests, tokens = (int(x) for x in sys.argv[1:4])
+    method = sys.argv[4] if len(sys.argv) > 4 else "pillar-lookup"
+    policy = sys.argv[5] if len(sys.argv) > 5 else "balanced"
+    BucketCounter.spread = len(sys.argv) > 6 and sys.argv[6] == "spread"
+    refresh_every = int(sys.argv[7]) if len(sys.argv) > 7 else 1      # `SpecConfig.refresh_every`
+    llm = host_only_llm(BucketCounter, method=method, batch_policy=policy, max_batch=batch,
+                        async_verify=policy == "balanced", refresh_every=refresh_every)
+    prompts, params = workload(requests, tokens)
     slot_steps, host = Counter(), []       # host: (seconds since the step before, launching)
     last = [None]
 
@@ -169,8 +183,6 @@ def main() -> None:
                 slot_steps["stall" if seq.awaiting_result else "wait"] += 1
         last[0] = time.perf_counter()              # (this count is not the host's work either)
 
-    # one SamplingParams a request (its seed), as the bench gives them
-    params = [SamplingParams(max_new_tokens=tokens, ignore_eos=True, seed=i) for i in range(requests)]
     llm.generate(None, params, prompt_token_ids=prompts, on_step=count_slots)
     print(f"{method} {policy}, refresh_every {refresh_every}, batch {batch}, "
           f"{requests} requests x {tokens} tokens: "

@@ -12,17 +12,11 @@ ranks policies, it does not predict a row's tokens a second.
     python benchmarks/tail_model.py 1024 2048 4096 0.95
 """
 import json
-import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
 import count_graph_buckets as counted
-from nano_sparsespec import LLM, SamplingParams, async_loop, cuda_graphs
-from nano_sparsespec import paged as paged_kernel
 
 # H200 step costs of the embedded model at batch 1,024 (fitted to the step profiles of 1f7b414 and 5baa36c):
 # milliseconds a step, microseconds a request's work, nanoseconds a position of its context
@@ -74,22 +68,11 @@ def main() -> None:
     batch, requests, tokens = (int(x) for x in sys.argv[1:4])
     finish_quantile = float(sys.argv[4])
     plain_tail = float(sys.argv[5]) if len(sys.argv) > 5 else 0.125
-    path = tempfile.mkdtemp()
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=1, num_key_value_heads=1,
-                                 max_position_embeddings=counted.CONTEXT_CAPACITY,
-                                 eos_token_id=255)).save_pretrained(path)
-    async_loop.pillar_attn.top_positions = counted.first_positions
-    cuda_graphs.StepGraphs.run = counted.replay_nothing
-    cuda_graphs.Graphs.run = counted.note_refresh
     Costed.spread, counted.SPREAD = True, measured_spread()
-    llm = LLM(path, method="pillar-lookup", batch_policy="balanced", max_batch=batch, cuda_graphs=True,
-              runner_class=Costed, async_verify=True, refresh_every=6, finish_quantile=finish_quantile,
-              plain_tail=plain_tail)
-    paged_kernel.set_smallest_kernel_batch(llm.spec.dense_batch())     # as LLM(compile=True) sets it
-    rng = random.Random(0)
-    prompts = [[rng.randrange(250) for _ in range(rng.randint(60, 250))] for _ in range(requests)]
-    params = [SamplingParams(max_new_tokens=tokens, ignore_eos=True, seed=i) for i in range(requests)]
+    llm = counted.host_only_llm(Costed, method="pillar-lookup", batch_policy="balanced", max_batch=batch,
+                                async_verify=True, refresh_every=6, finish_quantile=finish_quantile,
+                                plain_tail=plain_tail)
+    prompts, params = counted.workload(requests, tokens)
     llm.generate(None, params, prompt_token_ids=prompts)
     modeled = sum(ms for ms, _ in Costed.steps)
     plain = plain_ms(batch, requests, tokens, statistics.mean(len(p) for p in prompts))
