@@ -2,11 +2,11 @@
 finish quantile, the plain tail) on the host alone (no GPU, no model math).
 
 The engine, scheduler and runner's host side run as in `count_graph_buckets.py` (its `BucketCounter`, with
-requests accepting as differently as those of the H200 pillar-lookup row in `MEASURED_ROW`); each step is charged what the H200 step
-profile gives a step of its kind and work: a fixed cost, plus per request a draft's, a verification's or a plain
-decode's cost and its context's key reads (`step_ms`). Plain decoding is modeled in lock-step waves, one token a
-request a step. The model leaves out the host, graph recording and everything the profile does not see; it
-ranks policies, it does not predict a row's tokens a second.
+requests accepting as differently as those of the H200 pillar-lookup row in `MEASURED_ROW`); each step is
+charged what the H200 step profile gives a step of its kind and work: a fixed cost, plus per request a draft's,
+a verification's or a plain decode's cost and its context's key reads (`step_ms`). Plain decoding is modeled in
+lock-step waves, one token a request a step. The model leaves out the host, graph recording and everything the
+profile does not see; it ranks policies, it does not predict a row's tokens a second.
 
     python benchmarks/tail_model.py BATCH REQUESTS TOKENS FINISH_QUANTILE [PLAIN_TAIL]
     python benchmarks/tail_model.py 1024 2048 4096 0.95
